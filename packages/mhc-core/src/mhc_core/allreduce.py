@@ -1,0 +1,136 @@
+"""The standalone Lamport all-reduce: publish + plain collective for any ``[M, hidden]`` BF16 tensor.
+
+``LamportAllReduce`` is the op (any group, any transport, plain or MoE-finalize
+input); ``lamport_all_reduce`` is a function over it that keeps one op per
+(group, device, hidden, transport) and rebuilds it, collectively, when a larger M
+arrives. The result is the BF16 rounding of the FP32 sum over ranks in the order
+``mhc_core.reference.tp_sum`` gives, bit-identical on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .collective import CollectiveConfig, CollectiveKernel
+from .moe import MoEOutput
+from .op import LamportOp, Plan, optional_output
+from .publish import TRIGGER_AFTER_STORES
+
+
+class LamportAllReduce(LamportOp):
+    """Lamport one-shot all-reduce of ``[M, hidden]`` BF16 partials over ``group``.
+
+    Construction is collective over ``group`` (None: tp = 1; a process group; or
+    a ``LoopbackGroup`` rank). ``lanes`` rank lanes share each fragment (1: ranks
+    summed one after another).
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        max_num_tokens: int,
+        device: torch.device | str | int,
+        group: Any = None,
+        transport: str | None = None,
+        top_k: int = 0,
+        threads: int = 128,
+        lanes: int = 1,
+        spin_timeout_ms: float | None = None,
+        check_routes: bool = False,
+    ) -> None:
+        super().__init__(
+            hidden_size=hidden_size,
+            max_num_tokens=max_num_tokens,
+            device=device,
+            group=group,
+            transport=transport,
+            top_k=top_k,
+            publish_trigger=TRIGGER_AFTER_STORES,
+            spin_timeout_ms=spin_timeout_ms,
+            check_routes=check_routes,
+        )
+        self.lanes = lanes
+        config = CollectiveConfig(hidden=hidden_size, tp=self.tp, threads=threads, lanes=lanes)
+        self._collective_kernel = self._compile(CollectiveKernel(config))
+        self._setup()
+
+    def _bind_collectives(self) -> None:
+        self._collective = self._bind(self._collective_kernel, self._collective_fixed())
+
+    def _warmup_collects(self) -> list[Callable[[bool], Any]]:
+        out = torch.empty(1, self.hidden_size, dtype=torch.bfloat16, device=self.device)
+        return [lambda after_publish: self._collective(out=out, m=1)]
+
+    def _prepare_collect(self, m: int, out: torch.Tensor | None) -> Callable[[bool], torch.Tensor]:
+        out = optional_output("out", out, (m, self.hidden_size), torch.bfloat16, self.device)
+
+        def collect(after_publish: bool) -> torch.Tensor:
+            self._collective(out=out, m=m)
+            return out
+
+        return collect
+
+    def _plan_call(self, x: torch.Tensor | MoEOutput, *, out: torch.Tensor | None = None) -> Plan:
+        m, publish = self._prepare_publish(x)
+        return Plan(m, publish, self._prepare_collect(m, out))
+
+    def __call__(self, x: torch.Tensor | MoEOutput, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The all-reduced ``[M, hidden]`` BF16 sum of every rank's ``x`` (or finalized MoE output)."""
+        return self._run(self.plan("call", x, out=out))
+
+    def collect(self, *, out: torch.Tensor | None = None, after_publish: bool = False) -> torch.Tensor:
+        """Phase two: the all-reduced result of the pending ``publish``."""
+        return self._collect_pending(lambda m: self._prepare_collect(m, out), after_publish)
+
+    def __repr__(self) -> str:
+        return f"LamportAllReduce(lanes={self.lanes}, {self._describe()})"
+
+
+_OPS: dict[tuple, LamportAllReduce] = {}
+
+
+def lamport_all_reduce(
+    x: torch.Tensor | MoEOutput,
+    *,
+    group: Any = None,
+    transport: str | None = None,
+    max_num_tokens: int | None = None,
+    out: torch.Tensor | None = None,
+    spin_timeout_ms: float | None = None,
+) -> torch.Tensor:
+    """All-reduce ``x`` (``[M, hidden]`` BF16) over ``group`` with the Lamport protocol.
+
+    Keeps one ``LamportAllReduce`` per (group, device, hidden, transport); the first
+    call, and any call with a larger M than the op holds, builds it collectively,
+    so every rank must make the same calls. For loopback ranks use
+    ``LamportAllReduce`` with ``LoopbackGroup.run`` (one process holds every rank).
+    """
+    from .groups import LoopbackRank
+
+    if isinstance(group, LoopbackRank):
+        raise TypeError("group: lamport_all_reduce takes None or a process group; drive loopback ranks with "
+                        "LamportAllReduce and LoopbackGroup.run")
+    shared = x.shared_output if isinstance(x, MoEOutput) else x
+    if not isinstance(shared, torch.Tensor) or shared.dim() != 2:
+        raise TypeError("x: expected a [M, hidden] torch.Tensor or a MoEOutput")
+    m, hidden = shared.shape
+    top_k = x.expert_weights.shape[1] if isinstance(x, MoEOutput) and x.expert_weights.dim() == 2 else 0
+    key = (id(group), shared.device, hidden, transport, top_k)
+    op = _OPS.get(key)
+    if op is None or op.capacity < max(m, max_num_tokens or 0):
+        capacity = max(m, max_num_tokens or 0, op.capacity if op is not None else 0)
+        op = LamportAllReduce(
+            hidden_size=hidden,
+            max_num_tokens=capacity,
+            device=shared.device,
+            group=group,
+            transport=transport,
+            top_k=top_k,
+            spin_timeout_ms=spin_timeout_ms,
+        )
+        _OPS[key] = op
+    return op(x, out=out)

@@ -1,0 +1,115 @@
+"""The plain Lamport collective: poll every rank's fragment, FP32 sum, BF16 out.
+
+Grid ``(M, ceil(fragments / (threads / lanes)))``; ``lanes`` threads per fragment
+share the ranks (see ``mhc_core.protocol``). The output is the BF16 rounding of
+the FP32 sum, bit-identical on every rank and to ``mhc_core.reference.tp_sum``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32
+
+from . import protocol, ptx
+from .compiler import DeviceKernel
+from .constants import VEC_BF16
+from .signature import Buffer, Param, Ptr, Scalar, Signature, Stream
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveConfig:
+    hidden: int
+    tp: int
+    threads: int = 128
+    lanes: int = 1
+
+    def __post_init__(self) -> None:
+        if self.hidden <= 0 or self.hidden % VEC_BF16:
+            raise ValueError(f"hidden: expected a positive multiple of {VEC_BF16}, got {self.hidden}")
+        if self.tp not in (1, 2, 4, 8):
+            raise ValueError(f"tp: expected 1, 2, 4 or 8, got {self.tp}")
+        if self.lanes not in (1, 2, 4, 8):
+            raise ValueError(f"lanes: expected 1, 2, 4 or 8, got {self.lanes}")
+        if self.threads <= 0 or self.threads % 32 or self.threads > 1024:
+            raise ValueError(f"threads: expected a multiple of 32 in [32, 1024], got {self.threads}")
+
+    @property
+    def fragments(self) -> int:
+        return self.hidden // VEC_BF16
+
+    @property
+    def groups_per_cta(self) -> int:
+        return self.threads // self.lanes
+
+    @property
+    def ctas_per_token(self) -> int:
+        return -(-self.fragments // self.groups_per_cta)
+
+
+def mailbox_params() -> Signature:
+    """The persistent protocol arguments every collective takes, in this order."""
+    return (
+        Param("mailbox", Buffer(BFloat16, divisibility=VEC_BF16)),
+        Param("stage_state", Buffer(Int32, extent=2, align=4)),
+        Param("capacity", Scalar(Int32)),
+        Param("spin_limit_ns", Scalar(Int64)),
+        Param("error_flag", Scalar(Int64)),
+    )
+
+
+class CollectiveKernel(DeviceKernel):
+    name = "collective"
+    config_type = CollectiveConfig
+
+    def signature(self) -> Signature:
+        return (Param("out", Ptr(BFloat16)), *mailbox_params(), Param("m", Scalar(Int32)), Param("stream", Stream()))
+
+    @cute.jit
+    def __call__(self, out, mailbox, stage_state, capacity, spin_limit_ns, error_flag, m, stream):
+        self.kernel(out, mailbox, stage_state, capacity, spin_limit_ns, error_flag).launch(
+            grid=(m, self.config.ctas_per_token, 1),
+            block=(self.config.threads, 1, 1),
+            stream=stream,
+            use_pdl=True,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        out: cute.Pointer,
+        mailbox: cute.Tensor,
+        stage_state: cute.Tensor,
+        capacity: Int32,
+        spin_limit_ns: Int64,
+        error_flag: Int64,
+    ):
+        config = self.config
+        lanes, tp, hidden = config.lanes, config.tp, config.hidden
+        waves = protocol.rank_waves(tp, lanes)
+        tidx, _, _ = cute.arch.thread_idx()
+        token, chunk, _ = cute.arch.block_idx()
+        lane = tidx % lanes
+        fragment = chunk * config.groups_per_cta + tidx // lanes
+        active = fragment < config.fragments
+        base = mailbox.iterator.toint()
+
+        cute.arch.griddepcontrol_wait()
+        stage = protocol.active_stage(stage_state)
+        kept = cute.make_rmem_tensor(cute.make_layout((1, waves, 4), stride=(waves * 4, 4, 1)), Uint32)
+        protocol.poll_slots(
+            kept, base, stage, token, token, fragment, lane, active, 1, tp, lanes, capacity, hidden,
+            spin_limit_ns, error_flag,
+        )  # fmt: skip
+        cute.arch.sync_warp()
+        total = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
+        total.store(protocol.lane_sum(kept, 0, waves))
+        protocol.sum_over_lanes(total, lanes)
+        if active & (lane == 0):
+            element = Int64(token) * hidden + Int64(fragment) * VEC_BF16
+            ptx.store_u32x4(out.toint() + element * 2, ptx.f32x8_to_words(total.load()))
+        protocol.advance_stage(stage_state, stage, (token == 0) & (chunk == 0) & (tidx == 0))
+        cute.arch.griddepcontrol_launch_dependents()
+        protocol.rearm_slots(base, stage, token, token, fragment, lane, active, 1, tp, lanes, capacity, hidden)

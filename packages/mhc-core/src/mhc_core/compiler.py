@@ -1,0 +1,164 @@
+"""Compiling kernels: target arch, a cache keyed by everything that changes the binary, ptxas reports.
+
+Kernel classes derive from ``DeviceKernel``: a frozen ``config`` dataclass (all
+compile-time constants, the arch included where the code depends on it), a
+``signature`` (see ``mhc_core.signature``) and a ``@cute.jit __call__``. Compiling
+needs no GPU: ``--gpu-arch`` picks the target.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.metadata
+import io
+import re
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import cutlass.cute as cute
+import torch
+
+from .constants import SUPPORTED_ARCHS
+from .signature import Signature, fake_arguments
+
+try:
+    DSL_VERSION = importlib.metadata.version("nvidia-cutlass-dsl")
+except importlib.metadata.PackageNotFoundError:  # the GPU host's unpacked bundle
+    DSL_VERSION = "4.8.1-bundle"
+
+_ARCH_BY_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a"}
+
+
+def device_arch(device: torch.device | int | str | None = None) -> str:
+    """The arch string this project compiles for on ``device``."""
+    capability = torch.cuda.get_device_capability(device)
+    try:
+        return _ARCH_BY_CAPABILITY[capability]
+    except KeyError:
+        raise RuntimeError(
+            f"unsupported GPU: compute capability {capability[0]}.{capability[1]}; "
+            f"mhc-kernels targets {', '.join(SUPPORTED_ARCHS)}"
+        ) from None
+
+
+def check_arch(arch: str) -> str:
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"arch: expected one of {SUPPORTED_ARCHS}, got {arch!r}")
+    return arch
+
+
+def arch_has_mixed_bf16_fma(arch: str) -> bool:
+    """``fma.rn.f32.bf16`` exists from sm_100 on (ptxas rejects it for sm_90a)."""
+    return check_arch(arch) != "sm_90a"
+
+
+class DeviceKernel:
+    """Base of every kernel class: a config, a signature, a name for reports."""
+
+    #: Short name used in build tables and compile-cache keys.
+    name: ClassVar[str] = "kernel"
+    #: The frozen dataclass of compile-time constants this kernel takes.
+    config_type: ClassVar[type | None] = None
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+
+    def signature(self) -> Signature:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config})"
+
+
+def kernel_from_spec(path: str, config: dict[str, Any]) -> DeviceKernel:
+    """Instantiate ``"package.module:KernelClass"`` with its config built from ``config``.
+
+    Preset modules list their kernels this way (pure data), so they import
+    without the DSL until something is compiled.
+    """
+    module_name, _, class_name = path.partition(":")
+    kernel_type = getattr(importlib.import_module(module_name), class_name)
+    if kernel_type.config_type is None:
+        raise TypeError(f"{path} declares no config_type")
+    return kernel_type(kernel_type.config_type(**config))
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    """ptxas's account of one kernel, for ``nox -s build`` and the PTX tests."""
+
+    registers: int | None = None
+    spill_stores: int | None = None
+    spill_loads: int | None = None
+    stack_bytes: int | None = None
+    shared_bytes: int | None = None
+    seconds: float = 0.0
+
+
+@dataclass
+class CompiledKernel:
+    kernel: DeviceKernel
+    arch: str
+    function: Any
+    ptx: str | None = None
+    report: CompileReport = field(default_factory=CompileReport)
+
+    def __call__(self, *args: Any) -> None:
+        self.function(*args)
+
+
+_REGISTERS = re.compile(r"Used (\d+) registers")
+_SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_SHARED = re.compile(r"(\d+) bytes smem")
+
+
+def parse_ptxas_report(text: str, seconds: float) -> CompileReport:
+    """Registers, spills, stack and static shared memory from ptxas -v output."""
+    registers = _REGISTERS.search(text)
+    spills = _SPILLS.search(text)
+    shared = _SHARED.search(text)
+    return CompileReport(
+        registers=int(registers.group(1)) if registers else None,
+        stack_bytes=int(spills.group(1)) if spills else None,
+        spill_stores=int(spills.group(2)) if spills else None,
+        spill_loads=int(spills.group(3)) if spills else None,
+        shared_bytes=int(shared.group(1)) if shared else 0 if registers else None,
+        seconds=seconds,
+    )
+
+
+_CACHE: dict[tuple, CompiledKernel] = {}
+
+
+def compile_kernel(kernel: DeviceKernel, arch: str, *, inspect: bool = False) -> CompiledKernel:
+    """Compile ``kernel`` for ``arch`` (cached per process).
+
+    ``inspect=True`` also keeps the PTX and ptxas's register/spill report; the
+    key includes it, the arch and the DSL version, so a plain build is never
+    served an inspected one's options or another target's binary.
+    """
+    check_arch(arch)
+    key = (type(kernel).__module__, type(kernel).__qualname__, kernel.config, arch, DSL_VERSION, inspect)
+    cached = _CACHE.get(key)
+    if cached is not None:
+        return cached
+    options = f"--gpu-arch {arch}"
+    fakes = fake_arguments(kernel.signature())
+    start = time.perf_counter()
+    if inspect:
+        with tempfile.TemporaryDirectory(prefix="mhc-ptx-") as dump:
+            captured = io.StringIO()
+            with contextlib.redirect_stderr(captured):
+                function = cute.compile(kernel, *fakes, options=f"{options} --keep-ptx --dump-dir {dump} remarks{{ptx}}")
+            seconds = time.perf_counter() - start
+            compiled = CompiledKernel(
+                kernel, arch, function, ptx=function.__ptx__, report=parse_ptxas_report(captured.getvalue(), seconds)
+            )
+    else:
+        function = cute.compile(kernel, *fakes, options=options)
+        compiled = CompiledKernel(kernel, arch, function, report=CompileReport(seconds=time.perf_counter() - start))
+    _CACHE[key] = compiled
+    return compiled

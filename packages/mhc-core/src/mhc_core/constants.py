@@ -1,0 +1,28 @@
+"""Protocol constants shared by every kernel and reference (pure Python: no DSL import)."""
+
+#: Lamport mailbox generations; two consecutive calls never share one.
+LAMPORT_GENERATIONS = 3
+#: Index of the stage the next publish writes, in the int32 stage state.
+NEXT_STAGE = 0
+#: Index of the stage the last publish wrote (the collective reads it).
+ACTIVE_STAGE = 1
+
+#: BF16 elements per 16-byte fragment, the unit every kernel moves.
+VEC_BF16 = 8
+FRAGMENT_BYTES = 16
+WARP_SIZE = 32
+
+#: BF16 negative zero, the "empty slot" sentinel, as one half and as a bf16x2 word.
+NEGATIVE_ZERO_BF16 = 0x8000
+NEGATIVE_ZERO_BF16_PAIR = 0x80008000
+#: Low 15 bits of both halves of a bf16x2 word.
+MAGNITUDE_BF16_PAIR = 0x7FFF7FFF
+
+#: Architectures the kernels compile for.
+SUPPORTED_ARCHS = ("sm_90a", "sm_100a", "sm_103a")
+
+#: Words of the host-mapped error flag: code, stage, token, fragment, then one per rank.
+ERROR_CODE, ERROR_STAGE, ERROR_TOKEN, ERROR_DETAIL, ERROR_RANKS = 0, 1, 2, 3, 4
+ERROR_NONE = 0
+ERROR_SPIN_TIMEOUT = 1
+ERROR_ROUTE_INDEX = 2

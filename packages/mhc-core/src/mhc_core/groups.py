@@ -1,0 +1,263 @@
+"""TP groups an op can run over: none (tp = 1), a torch process group, or loopback ranks.
+
+An op only needs four things from its group: ``tp`` and ``rank``, a mailbox
+allocated collectively (every rank's base address known to every rank), and a
+construction step that warms every kernel up without any kernel waiting on a
+publish that has not been launched yet.
+
+Loopback: ``LoopbackGroup(world_size, device)`` runs ``world_size`` virtual ranks in
+one process on one GPU through exactly the unicast kernels. ``group[r]`` is rank
+``r``'s handle, accepted wherever a process group is. The ``k``-th op built on each
+handle forms one collective instance: the first rank to build allocates every
+rank's mailbox, and the last one warms all of them up together (every rank's
+publish, then every rank's collective). ``LoopbackGroup.run`` drives calls the
+same way, so no token count can deadlock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .constants import NEGATIVE_ZERO_BF16
+
+if TYPE_CHECKING:
+    from .op import LamportOp
+
+SUPPORTED_TP = (1, 2, 4, 8)
+
+
+@dataclass
+class MailboxMemory:
+    """This rank's mailbox and where every rank's copy lives."""
+
+    local: torch.Tensor
+    peer_bases: list[int]
+    multicast: int = 0
+
+
+def _sentinel_filled(shape: Sequence[int], device: torch.device) -> torch.Tensor:
+    buffer = torch.empty(shape, dtype=torch.bfloat16, device=device)
+    buffer.view(torch.int16).fill_(NEGATIVE_ZERO_BF16 - 0x10000)
+    return buffer
+
+
+def warm_up(ops: Sequence[LamportOp]) -> None:
+    """Launch every kernel of ``ops`` once: each round, every rank's publish, then every collective.
+
+    Loading a module waits behind running kernels, so a first launch behind a
+    spinning collective can deadlock; after this every module is loaded.
+    """
+    rounds = [op._warmup_rounds() for op in ops]
+    for step in range(len(rounds[0])):
+        for steps in rounds:
+            steps[step].publish()
+        for index, steps in enumerate(rounds):
+            steps[step].collect(index == 0)
+    torch.cuda.synchronize(ops[0].device)
+
+
+class RankGroup:
+    """What an op needs from its TP group."""
+
+    kind = "none"
+    tp = 1
+    rank = 0
+
+    def allocate_mailbox(self, shape: Sequence[int], device: torch.device) -> MailboxMemory:
+        raise NotImplementedError
+
+    def complete_construction(self, op: LamportOp) -> None:
+        raise NotImplementedError
+
+    def missing_peers(self, op: LamportOp) -> list[int]:
+        """Ranks whose op of the same instance does not exist yet (loopback only)."""
+        return []
+
+
+class SoloGroup(RankGroup):
+    """tp = 1: no process group; the mailbox is a local buffer."""
+
+    def allocate_mailbox(self, shape: Sequence[int], device: torch.device) -> MailboxMemory:
+        local = _sentinel_filled(shape, device)
+        return MailboxMemory(local, [local.data_ptr()])
+
+    def complete_construction(self, op: LamportOp) -> None:
+        warm_up([op])
+
+
+class ProcessGroupRanks(RankGroup):
+    """A real process group: mailboxes in torch symmetric memory, peer pointers from its handle."""
+
+    kind = "process_group"
+
+    def __init__(self, group: Any) -> None:
+        import torch.distributed as dist
+
+        self.group = group
+        self.tp = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def allocate_mailbox(self, shape: Sequence[int], device: torch.device) -> MailboxMemory:
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+
+        local = symm_mem.empty(tuple(shape), dtype=torch.bfloat16, device=device)
+        handle = symm_mem.rendezvous(local, self.group)
+        local.view(torch.int16).fill_(NEGATIVE_ZERO_BF16 - 0x10000)
+        torch.cuda.synchronize(device)
+        dist.barrier(group=self.group)
+        peers = [int(pointer) for pointer in handle.buffer_ptrs]
+        return MailboxMemory(local, peers, int(handle.multicast_ptr or 0))
+
+    def complete_construction(self, op: LamportOp) -> None:
+        import torch.distributed as dist
+
+        warm_up([op])
+        dist.barrier(group=self.group)
+
+
+class LoopbackRank(RankGroup):
+    """Rank ``rank`` of a ``LoopbackGroup``."""
+
+    kind = "loopback"
+
+    def __init__(self, group: LoopbackGroup, rank: int) -> None:
+        self.group = group
+        self.tp = group.world_size
+        self.rank = rank
+        self._allocations = 0
+        self._constructions = 0
+
+    def allocate_mailbox(self, shape: Sequence[int], device: torch.device) -> MailboxMemory:
+        index = self._allocations
+        self._allocations += 1
+        return self.group._mailbox(index, self.rank, shape, device)
+
+    def complete_construction(self, op: LamportOp) -> None:
+        index = self._constructions
+        self._constructions += 1
+        op._loopback_index = index
+        self.group._join(index, self.rank, op)
+
+    def missing_peers(self, op: LamportOp) -> list[int]:
+        joined = self.group._instances.get(op._loopback_index, {})
+        return [rank for rank in range(self.tp) if rank not in joined]
+
+    def __repr__(self) -> str:
+        return f"LoopbackRank({self.rank} of {self.tp})"
+
+
+class LoopbackGroup:
+    """``world_size`` virtual TP ranks on one GPU (see the module docstring)."""
+
+    def __init__(self, world_size: int, device: torch.device | str | int = "cuda") -> None:
+        if isinstance(world_size, bool) or world_size not in SUPPORTED_TP:
+            raise ValueError(f"world_size: expected one of {SUPPORTED_TP}, got {world_size!r}")
+        self.world_size = world_size
+        self.device = normalize_device(device)
+        self.ranks = tuple(LoopbackRank(self, rank) for rank in range(world_size))
+        self._mailboxes: dict[int, list[torch.Tensor]] = {}
+        self._instances: dict[int, dict[int, LamportOp]] = {}
+
+    def __getitem__(self, rank: int) -> LoopbackRank:
+        return self.ranks[rank]
+
+    def __iter__(self):
+        return iter(self.ranks)
+
+    def __len__(self) -> int:
+        return self.world_size
+
+    def build(self, factory: Callable[[LoopbackRank], LamportOp]) -> list[LamportOp]:
+        """One op per rank, ``factory(group[r])``; the last one warms them all up."""
+        return [factory(rank) for rank in self.ranks]
+
+    def run(
+        self,
+        ops: Sequence[LamportOp],
+        method: str,
+        args: Sequence[Sequence[Any]],
+        kwargs: Sequence[dict[str, Any]] | None = None,
+    ) -> list[Any]:
+        """``run_ranks`` over this group's ops (one per rank, in rank order)."""
+        if len(ops) != self.world_size:
+            raise ValueError(f"ops: expected {self.world_size} ops, one per rank, got {len(ops)}")
+        return run_ranks(ops, method, args, kwargs)
+
+    def _mailbox(self, index: int, rank: int, shape: Sequence[int], device: torch.device) -> MailboxMemory:
+        if device != self.device:
+            raise ValueError(f"device: expected the loopback group's device {self.device}, got {device}")
+        buffers = self._mailboxes.get(index)
+        if buffers is None:
+            buffers = [_sentinel_filled(shape, device) for _ in range(self.world_size)]
+            self._mailboxes[index] = buffers
+        elif tuple(buffers[0].shape) != tuple(shape):
+            raise ValueError(
+                f"loopback op #{index}: rank {rank} asks for a mailbox of shape {list(shape)}, "
+                f"but rank 0's op of that instance has {list(buffers[0].shape)}: build the same op on every rank"
+            )
+        return MailboxMemory(buffers[rank], [buffer.data_ptr() for buffer in buffers])
+
+    def _join(self, index: int, rank: int, op: LamportOp) -> None:
+        instance = self._instances.setdefault(index, {})
+        instance[rank] = op
+        if len(instance) == self.world_size:
+            ordered = [instance[r] for r in range(self.world_size)]
+            warm_up(ordered)
+            for member in ordered:
+                member._ready = True
+
+
+def run_ranks(
+    ops: Sequence[LamportOp],
+    method: str,
+    args: Sequence[Sequence[Any]],
+    kwargs: Sequence[dict[str, Any]] | None = None,
+) -> list[Any]:
+    """Run ``method`` ("call" or "finalize") on ops that form one collective instance.
+
+    Validates every rank's arguments first (nothing launches on bad input), then
+    enqueues every rank's publish, then every rank's collective, on the current
+    stream: no collective can wait on a publish enqueued behind it, whatever M.
+    ``args[r]`` / ``kwargs[r]`` are rank ``r``'s arguments; returns each rank's outputs.
+    Works for a single tp = 1 op too.
+    """
+    if len(args) != len(ops) or (kwargs is not None and len(kwargs) != len(ops)):
+        raise ValueError(f"args, kwargs: expected one entry per op ({len(ops)})")
+    kwargs = kwargs or [{} for _ in ops]
+    plans = [op.plan(method, *a, **k) for op, a, k in zip(ops, args, kwargs, strict=True)]
+    for plan in plans:
+        plan.publish()
+    # Only the first collective directly follows a publish (PDL prefetch is safe).
+    return [plan.collect(index == 0) for index, plan in enumerate(plans)]
+
+
+def normalize_device(device: torch.device | str | int) -> torch.device:
+    """A CUDA device with an explicit index (``"cuda"`` means the current one)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"device: expected a CUDA device, got {device}")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def resolve_group(group: Any) -> RankGroup:
+    """``None`` (tp = 1), a torch process group, or a loopback rank handle."""
+    if group is None:
+        return SoloGroup()
+    if isinstance(group, RankGroup):
+        return group
+    if isinstance(group, LoopbackGroup):
+        raise TypeError("group: expected one rank of a LoopbackGroup (group[r]), got the whole LoopbackGroup")
+    import torch.distributed as dist
+
+    if isinstance(group, dist.ProcessGroup):
+        return ProcessGroupRanks(group)
+    raise TypeError(
+        f"group: expected None, a torch.distributed.ProcessGroup or a LoopbackGroup rank, got {type(group).__name__}"
+    )

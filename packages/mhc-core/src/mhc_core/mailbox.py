@@ -1,0 +1,82 @@
+"""The Lamport mailbox of one rank: slots, stage state and where publishes go.
+
+Memory: ``3 * tp * capacity * hidden * 2`` bytes per rank (three generations of
+every rank's ``[capacity, hidden]`` BF16 contribution), plus 8 bytes of stage
+state. For a real process group it lives in torch symmetric memory; the repr
+shows the size.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .constants import LAMPORT_GENERATIONS
+from .groups import RankGroup
+
+TRANSPORT_ENV = "MHC_TRANSPORT"
+TRANSPORTS = ("auto", "unicast", "multicast")
+
+
+def resolve_transport(requested: str | None, group: RankGroup) -> str:
+    """What the publish uses: ``"local"`` (tp = 1), ``"unicast"`` or ``"multicast"``.
+
+    ``None`` reads ``MHC_TRANSPORT`` (default ``"auto"``). ``"auto"`` never selects
+    multicast: NVLink multicast is opt-in only (``"multicast"``, explicitly).
+    """
+    if requested is None:
+        requested = os.environ.get(TRANSPORT_ENV, "auto").strip() or "auto"
+        source = TRANSPORT_ENV
+    else:
+        source = "transport"
+    if requested not in TRANSPORTS:
+        raise ValueError(f"{source}: expected one of {TRANSPORTS}, got {requested!r}")
+    if requested == "multicast":
+        if group.kind != "process_group":
+            raise ValueError(
+                f"{source}: 'multicast' needs a torch process group with an NVLink multicast mapping; "
+                f"this op's group is {group.kind!r} (tp = {group.tp})"
+            )
+        return "multicast"
+    return "local" if group.tp == 1 else "unicast"
+
+
+class LamportMailbox:
+    """``[3, tp, capacity, hidden]`` BF16 slots (BF16 -0 = empty) and int32 ``[NEXT, ACTIVE]``.
+
+    ``destinations`` is what the publish kernel stores through: every rank's
+    mailbox base (unicast, own rank included) or the multicast base.
+    """
+
+    def __init__(
+        self, group: RankGroup, *, capacity: int, hidden: int, device: torch.device, transport: str
+    ) -> None:
+        self.tp = group.tp
+        self.capacity = capacity
+        self.hidden = hidden
+        self.transport = transport
+        memory = group.allocate_mailbox((LAMPORT_GENERATIONS, group.tp, capacity, hidden), device)
+        self.buffer = memory.local
+        # On the device so that CUDA-graph replays advance it.
+        self.stage_state = torch.zeros(2, dtype=torch.int32, device=device)
+        if transport == "multicast":
+            if not memory.multicast or memory.multicast % 16:
+                raise RuntimeError(
+                    "transport='multicast': NVLink multicast mapping is unavailable for this group "
+                    f"(symmetric memory multicast address {memory.multicast:#x})"
+                )
+            bases = [memory.multicast]
+        else:
+            bases = memory.peer_bases
+        self.destinations = torch.tensor(bases, dtype=torch.int64, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return LAMPORT_GENERATIONS * self.tp * self.capacity * self.hidden * 2
+
+    def __repr__(self) -> str:
+        return (
+            f"LamportMailbox({LAMPORT_GENERATIONS}x{self.tp}x{self.capacity}x{self.hidden} bf16, "
+            f"{self.nbytes / 2**20:.1f} MiB per rank, transport={self.transport!r})"
+        )

@@ -1,0 +1,282 @@
+"""``LamportOp``: what every fused op shares: group, transport, mailbox, publish kernels, spin guard,
+warm-up and the two-phase ``publish`` / ``collect`` form.
+
+Construction (collective over the group): validate, compile every kernel the op
+will launch, allocate the mailbox, bind persistent arguments, warm up. A subclass
+compiles its collective kernels between ``super().__init__`` and ``_setup()``.
+
+PDL: a collective may load its inputs before ``griddepcontrol.wait`` only when the
+kernel right before it is a publish that waited. ``__call__`` and the loopback
+driver guarantee that; ``collect(after_publish=True)`` is the caller saying so.
+Otherwise the collective waits before its first load, which orders it behind
+the previous kernel exactly as a launch without PDL would (one binary serves both).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import protocol
+from .compiler import CompiledKernel, DeviceKernel, compile_kernel, device_arch
+from .groups import SUPPORTED_TP, normalize_device, resolve_group
+from .mailbox import LamportMailbox, resolve_transport
+from .moe import MoEOutput
+from .publish import FinalizePublishKernel, PublishConfig, PublishKernel
+from .signature import BoundKernel
+from .spin import SpinGuard, resolve_timeout_ms
+from .validation import check_int, check_tensor, check_token_count, leading_extent
+
+WEIGHT_TORCH_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+@dataclass
+class Plan:
+    """One validated call, split into its two launches (nothing launched yet)."""
+
+    m: int
+    publish: Callable[[], None]
+    collect: Callable[[bool], Any]
+
+
+class LamportOp:
+    """Base of the fused ops (see the module docstring)."""
+
+    #: Routing-weight dtypes the finalize publish accepts.
+    weight_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        max_num_tokens: int,
+        device: torch.device | str | int,
+        group: Any = None,
+        transport: str | None = None,
+        top_k: int = 0,
+        publish_trigger: str,
+        publish_threads: int = 128,
+        spin_timeout_ms: float | None = None,
+        check_routes: bool = False,
+    ) -> None:
+        self.hidden_size = check_int("hidden_size", hidden_size, minimum=8)
+        if hidden_size % 8:
+            raise ValueError(f"hidden_size: expected a multiple of 8, got {hidden_size}")
+        self.capacity = check_int("max_num_tokens", max_num_tokens, minimum=1)
+        self.top_k = check_int("top_k", top_k, minimum=0)
+        self.device = normalize_device(device)
+        self.group = resolve_group(group)
+        self.tp, self.rank = self.group.tp, self.group.rank
+        if self.tp not in SUPPORTED_TP:
+            raise ValueError(f"group: expected a TP size in {SUPPORTED_TP}, got {self.tp}")
+        self.transport = resolve_transport(transport, self.group)
+        self.arch = device_arch(self.device)
+        self.check_routes = bool(check_routes)
+        self.spin = SpinGuard(self.tp, resolve_timeout_ms(spin_timeout_ms), self.device)
+        store = protocol.STORE_MULTICAST if self.transport == "multicast" else protocol.STORE_UNICAST
+        publish = PublishConfig(
+            hidden=hidden_size, tp=self.tp, threads=publish_threads, trigger=publish_trigger, store=store
+        )
+        self._publish_kernel = self._compile(PublishKernel(publish))
+        self._finalize_kernels: dict[torch.dtype, CompiledKernel] = {}
+        if self.top_k:
+            for dtype in self.weight_dtypes:
+                config = PublishConfig(
+                    hidden=hidden_size,
+                    tp=self.tp,
+                    threads=publish_threads,
+                    trigger=publish_trigger,
+                    store=store,
+                    top_k=self.top_k,
+                    weights=WEIGHT_TORCH_DTYPES[dtype],
+                )
+                self._finalize_kernels[dtype] = self._compile(FinalizePublishKernel(config))
+        self.mailbox: LamportMailbox | None = None
+        self._pending_m: int | None = None
+        self._ready = False
+        self._loopback_index = -1
+
+    # ------------------------------------------------------------ construction
+    def _compile(self, kernel: DeviceKernel) -> CompiledKernel:
+        with torch.cuda.device(self.device):
+            return compile_kernel(kernel, self.arch)
+
+    def _setup(self) -> None:
+        """Allocate the mailbox (collective), bind arguments, warm up (collective)."""
+        self.mailbox = LamportMailbox(
+            self.group, capacity=self.capacity, hidden=self.hidden_size, device=self.device, transport=self.transport
+        )
+        publish_fixed = dict(
+            stage_state=self.mailbox.stage_state,
+            destinations=self.mailbox.destinations,
+            rank=self.rank,
+            capacity=self.capacity,
+        )
+        self._publish = self._bind(self._publish_kernel, publish_fixed)
+        self._finalize = {
+            dtype: self._bind(
+                kernel,
+                dict(publish_fixed, check_routes=int(self.check_routes), error_flag=self.spin.address),
+            )
+            for dtype, kernel in self._finalize_kernels.items()
+        }
+        self._bind_collectives()
+        with torch.cuda.device(self.device):
+            self.group.complete_construction(self)
+        if self.group.kind != "loopback":
+            self._ready = True
+
+    def _bind(self, compiled: CompiledKernel, fixed: dict[str, Any]) -> BoundKernel:
+        return BoundKernel(compiled.function, compiled.kernel.signature(), fixed)
+
+    def _collective_fixed(self) -> dict[str, Any]:
+        """Persistent arguments of every collective kernel (``collective.mailbox_params``)."""
+        assert self.mailbox is not None
+        return dict(
+            mailbox=self.mailbox.buffer,
+            stage_state=self.mailbox.stage_state,
+            capacity=self.capacity,
+            spin_limit_ns=self.spin.limit_ns,
+            error_flag=self.spin.address,
+        )
+
+    def _bind_collectives(self) -> None:
+        raise NotImplementedError
+
+    def _warmup_collects(self) -> Sequence[Callable[[bool], Any]]:
+        """One M = 1 collect per collective kernel, for the warm-up."""
+        raise NotImplementedError
+
+    def _warmup_rounds(self) -> list[Plan]:
+        """Rounds that launch every publish and every collective kernel at least once."""
+        hidden, device = self.hidden_size, self.device
+        publishes: list[Callable[[], None]] = []
+        x = torch.zeros(1, hidden, dtype=torch.bfloat16, device=device)
+        publishes.append(lambda: self._publish(x=x, m=1))
+        for dtype, bound in self._finalize.items():
+            moe = MoEOutput(
+                gemm2_permuted=torch.zeros(1, hidden, dtype=torch.bfloat16, device=device),
+                expert_weights=torch.zeros(1, self.top_k, dtype=dtype, device=device),
+                expanded_idx_to_permuted_idx=torch.full((1, self.top_k), -1, dtype=torch.int32, device=device),
+                shared_output=torch.zeros(1, hidden, dtype=torch.bfloat16, device=device),
+            )
+            publishes.append(lambda bound=bound, moe=moe: self._launch_finalize(bound, moe, 1))
+        collects = list(self._warmup_collects())
+        rounds = max(len(publishes), len(collects))
+        return [Plan(1, publishes[i % len(publishes)], collects[i % len(collects)]) for i in range(rounds)]
+
+    # -------------------------------------------------------------- publishing
+    def _prepare_publish(self, x: torch.Tensor | MoEOutput) -> tuple[int, Callable[[], None]]:
+        """Validate a publish input; return M and the launch."""
+        if isinstance(x, MoEOutput):
+            return self._prepare_finalize(x)
+        m = check_token_count("x", leading_extent("x", x), self.capacity)
+        check_tensor("x", x, shape=(m, self.hidden_size), dtype=torch.bfloat16, device=self.device)
+        return m, lambda: self._publish(x=x, m=m)
+
+    def _prepare_finalize(self, moe: MoEOutput) -> tuple[int, Callable[[], None]]:
+        if not self.top_k:
+            raise TypeError("x: this op was built with top_k = 0 and cannot take a MoEOutput")
+        hidden, top_k, device = self.hidden_size, self.top_k, self.device
+        shared = moe.shared_output
+        m = check_token_count("shared_output", leading_extent("shared_output", shared), self.capacity)
+        check_tensor("shared_output", shared, shape=(m, hidden), dtype=torch.bfloat16, device=device)
+        rows = leading_extent("gemm2_permuted", moe.gemm2_permuted)
+        check_tensor("gemm2_permuted", moe.gemm2_permuted, shape=(rows, hidden), dtype=torch.bfloat16, device=device)
+        weights = moe.expert_weights
+        check_tensor(
+            "expert_weights",
+            weights,
+            shape=(m, top_k),
+            dtype=self.weight_dtypes,
+            device=device,
+            align=weights.element_size() if isinstance(weights, torch.Tensor) else 4,
+        )
+        check_tensor(
+            "expanded_idx_to_permuted_idx",
+            moe.expanded_idx_to_permuted_idx,
+            shape=(m, top_k),
+            dtype=torch.int32,
+            device=device,
+            align=4,
+        )
+        bound = self._finalize[weights.dtype]
+        return m, lambda: self._launch_finalize(bound, moe, m)
+
+    def _launch_finalize(self, bound: BoundKernel, moe: MoEOutput, m: int) -> None:
+        bound(
+            gemm2=moe.gemm2_permuted,
+            weights=moe.expert_weights,
+            index=moe.expanded_idx_to_permuted_idx,
+            shared=moe.shared_output,
+            rows=moe.gemm2_permuted.shape[0],
+            m=m,
+        )
+
+    # --------------------------------------------------------------- public API
+    def check(self) -> None:
+        """Raise any error a kernel reported (spin timeout, bad route index)."""
+        self.spin.check()
+
+    def _check_usable(self) -> None:
+        self.spin.check()
+        if not self._ready:
+            missing = self.group.missing_peers(self)
+            raise RuntimeError(
+                f"loopback rank {self.rank}: this op is unusable until every rank of its LoopbackGroup "
+                f"has built the same op; ranks {missing} have not"
+            )
+
+    def publish(self, x: torch.Tensor | MoEOutput) -> None:
+        """Phase one: publish this rank's partial (or MoE output) for the next ``collect``."""
+        self._check_usable()
+        if self._pending_m is not None:
+            raise RuntimeError("publish(): a previous publish() has not been collected yet; call collect() first")
+        m, launch = self._prepare_publish(x)
+        launch()
+        self._pending_m = m
+
+    def _collect_pending(self, prepare: Callable[[int], Callable[[bool], Any]], after_publish: bool) -> Any:
+        """Validate a collect for the pending publish's M, then launch it."""
+        self._check_usable()
+        if self._pending_m is None:
+            raise RuntimeError("collect(): no publish() is pending; the collective would wait forever")
+        collect = prepare(self._pending_m)
+        self._pending_m = None
+        return collect(after_publish)
+
+    def plan(self, method: str, *args: Any, **kwargs: Any) -> Plan:
+        """Validate one ``method`` call ("call" or "finalize") without launching anything."""
+        planner = getattr(self, f"_plan_{method}", None)
+        if planner is None:
+            raise ValueError(f"method: expected 'call' or 'finalize', got {method!r}")
+        self._check_usable()
+        if self._pending_m is not None:
+            raise RuntimeError(f"{method}: a publish() is pending; call collect() first")
+        return planner(*args, **kwargs)
+
+    def _run(self, plan: Plan) -> Any:
+        plan.publish()
+        return plan.collect(True)
+
+    def _describe(self) -> str:
+        return (
+            f"hidden={self.hidden_size}, tp={self.tp}, rank={self.rank}, group={self.group.kind!r}, "
+            f"transport={self.transport!r}, max_num_tokens={self.capacity}, arch={self.arch!r}, "
+            f"spin_timeout_ms={self.spin.timeout_ms}, mailbox={self.mailbox!r}"
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._describe()})"
+
+
+def optional_output(
+    name: str, out: torch.Tensor | None, shape: Sequence[int], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A caller's preallocated output, checked, or a new one."""
+    if out is None:
+        return torch.empty(tuple(shape), dtype=dtype, device=device)
+    return check_tensor(name, out, shape=tuple(shape), dtype=dtype, device=device)

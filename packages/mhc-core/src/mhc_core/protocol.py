@@ -1,0 +1,252 @@
+"""The Lamport protocol on the device: slot addresses, publishing, polling, re-arming.
+
+Mailbox: ``[LAMPORT_GENERATIONS, tp, capacity, hidden]`` BF16 per rank, every empty
+slot BF16 -0. Stage state: int32 ``[NEXT, ACTIVE]``. A publish reads NEXT, writes
+its fragment into slot ``[stage, rank, token]`` of every rank's mailbox and records
+ACTIVE; the collective reads ACTIVE, polls its own mailbox until no -0 remains,
+re-arms what it read and sets NEXT to the following stage. Every collective
+kernel and every publish kernel is built from these functions, so no kernel
+writes the addressing or the spin twice.
+
+Rank lanes: ``lanes`` consecutive threads share a fragment; lane ``l`` polls ranks
+``l, l + lanes, l + 2 lanes, ...`` (a lane with no such rank adds zero) and the
+lanes are then summed by an xor butterfly. The FP32 summation tree is therefore
+fixed by (tp, lanes) alone and is the same on every rank;
+``mhc_core.reference.tp_sum`` builds the same tree.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Boolean, Float32, Int32, Int64, Uint32
+
+from . import ptx
+from .constants import (
+    ACTIVE_STAGE,
+    ERROR_CODE,
+    ERROR_DETAIL,
+    ERROR_RANKS,
+    ERROR_SPIN_TIMEOUT,
+    ERROR_STAGE,
+    ERROR_TOKEN,
+    LAMPORT_GENERATIONS,
+    NEXT_STAGE,
+    VEC_BF16,
+)
+
+#: Destination kinds of a publish: peer pointers, the multicast address, or the
+#: multicast addressing with a plain store to the local mailbox (a debug variant
+#: that checks the multicast path's addresses on hosts where multicast must not run).
+STORE_UNICAST = "unicast"
+STORE_MULTICAST = "multicast"
+STORE_MULTICAST_LOCAL = "multicast_local"
+STORE_KINDS = (STORE_UNICAST, STORE_MULTICAST, STORE_MULTICAST_LOCAL)
+
+BF16_BYTES = 2
+
+
+def rank_waves(tp: int, lanes: int) -> int:
+    """Ranks each lane polls (the last wave may be partial)."""
+    return -(-tp // lanes)
+
+
+@cute.jit
+def slot_bytes(
+    stage: Uint32,
+    rank: Int32,
+    token: Int32,
+    fragment: Int32,
+    tp: cutlass.Constexpr[int],
+    capacity: Int32,
+    hidden: cutlass.Constexpr[int],
+) -> Int64:
+    """Byte offset of a fragment of slot ``[stage, rank, token]`` in a mailbox."""
+    element = ((Int64(stage) * tp + Int64(rank)) * Int64(capacity) + Int64(token)) * hidden + Int64(
+        fragment
+    ) * VEC_BF16
+    return element * BF16_BYTES
+
+
+@cute.jit
+def state_address(stage_state: cute.Tensor, index: cutlass.Constexpr[int]) -> Int64:
+    return stage_state.iterator.toint() + Int64(index * 4)
+
+
+@cute.jit
+def begin_publish(stage_state: cute.Tensor, leader: Boolean) -> Uint32:
+    """The stage this publish writes; the leader thread records it as ACTIVE."""
+    stage = ptx.load_volatile_u32(state_address(stage_state, NEXT_STAGE))
+    if leader:
+        ptx.store_u32(state_address(stage_state, ACTIVE_STAGE), stage)
+    return stage
+
+
+@cute.jit
+def load_destinations(destinations: cute.Tensor, count: cutlass.Constexpr[int]) -> cute.Tensor:
+    """The destination table in registers (read before the PDL wait: it never changes)."""
+    bases = cute.make_rmem_tensor(cute.make_layout((count,)), Int64)
+    for k in cutlass.range_constexpr(count):
+        bases[k] = destinations[k]
+    return bases
+
+
+@cute.jit
+def publish_fragment(
+    words: cute.TensorSSA,
+    offset: Int64,
+    destinations: cute.Tensor,
+    store: cutlass.Constexpr[str],
+    tp: cutlass.Constexpr[int],
+) -> None:
+    """Store one sanitised fragment at ``offset`` of every rank's mailbox.
+
+    ``destinations`` (registers, from ``load_destinations``) holds the peers'
+    mailbox bases (unicast, own rank included), or one address: the multicast
+    base, or the local base for the debug variant.
+    """
+    if cutlass.const_expr(store == STORE_UNICAST):
+        for peer in cutlass.range_constexpr(tp):
+            ptx.store_u32x4(destinations[peer] + offset, words)
+    elif cutlass.const_expr(store == STORE_MULTICAST):
+        ptx.multimem_store_bf16x8(destinations[0] + offset, words)
+    else:
+        ptx.store_u32x4(destinations[0] + offset, words)
+
+
+@cute.jit
+def active_stage(stage_state: cute.Tensor) -> Uint32:
+    """The stage the publish before this collective wrote (read after the PDL wait)."""
+    return ptx.load_volatile_u32(state_address(stage_state, ACTIVE_STAGE))
+
+
+@cute.jit
+def advance_stage(stage_state: cute.Tensor, stage: Uint32, leader: Boolean) -> None:
+    """Once per launch: the next publish uses the following generation."""
+    if leader:
+        ptx.store_u32(state_address(stage_state, NEXT_STAGE), (stage + Uint32(1)) % Uint32(LAMPORT_GENERATIONS))
+
+
+@cute.jit
+def poll_slots(
+    kept: cute.Tensor,
+    mailbox: Int64,
+    stage: Uint32,
+    first_token: Int32,
+    last_token: Int32,
+    fragment: Int32,
+    lane: Int32,
+    active: Boolean,
+    tokens: cutlass.Constexpr[int],
+    tp: cutlass.Constexpr[int],
+    lanes: cutlass.Constexpr[int],
+    capacity: Int32,
+    hidden: cutlass.Constexpr[int],
+    spin_limit_ns: Int64,
+    error_flag: Int64,
+) -> None:
+    """Poll this lane's ranks for ``tokens`` tokens until no -0 remains.
+
+    ``kept[t, w, :]`` receives the 4 words of token ``min(first + t, last)`` from
+    rank ``w * lanes + lane`` (zeros where that rank does not exist or the thread is
+    inactive). With ``spin_limit_ns > 0`` the loop gives up after that many
+    nanoseconds of the global timer and records the ranks still missing in the
+    host-mapped ``error_flag``: the kernel then finishes instead of hanging.
+    """
+    waves = rank_waves(tp, lanes)
+    kept.fill(Uint32(0))
+    dirty = active
+    started = Int64(0)
+    while dirty:
+        dirty = Boolean(False)
+        for t in cutlass.range_constexpr(tokens):
+            token = cutlass.min(first_token + t, last_token)
+            for wave in cutlass.range_constexpr(waves):
+                source = lane + wave * lanes
+                if source < tp:
+                    words = ptx.load_volatile_u32x4(
+                        mailbox + slot_bytes(stage, source, token, fragment, tp, capacity, hidden)
+                    )
+                    dirty = dirty | ptx.has_negative_zero(words)
+                    kept[t, wave, None].store(words)
+        if dirty & (spin_limit_ns > Int64(0)):
+            now = cute.arch.globaltimer()
+            if started == Int64(0):
+                started = now
+            elif now - started > spin_limit_ns:
+                _report_timeout(kept, stage, first_token, fragment, lane, tokens, tp, lanes, error_flag)
+                dirty = Boolean(False)
+
+
+@cute.jit
+def _report_timeout(
+    kept: cute.Tensor,
+    stage: Uint32,
+    token: Int32,
+    fragment: Int32,
+    lane: Int32,
+    tokens: cutlass.Constexpr[int],
+    tp: cutlass.Constexpr[int],
+    lanes: cutlass.Constexpr[int],
+    error_flag: Int64,
+) -> None:
+    """Mark every rank whose slot still holds -0, then the stage, token and code."""
+    for t in cutlass.range_constexpr(tokens):
+        for wave in cutlass.range_constexpr(rank_waves(tp, lanes)):
+            source = lane + wave * lanes
+            if source < tp:
+                if ptx.has_negative_zero(kept[t, wave, None].load()):
+                    ptx.store_system_u32(error_flag + Int64(ERROR_RANKS * 4) + Int64(source) * 4, Uint32(1))
+    ptx.store_system_u32(error_flag + Int64(ERROR_STAGE * 4), stage)
+    ptx.store_system_u32(error_flag + Int64(ERROR_TOKEN * 4), Uint32(token))
+    ptx.store_system_u32(error_flag + Int64(ERROR_DETAIL * 4), Uint32(fragment))
+    ptx.store_system_u32(error_flag + Int64(ERROR_CODE * 4), Uint32(ERROR_SPIN_TIMEOUT))
+
+
+@cute.jit
+def lane_sum(kept: cute.Tensor, t: cutlass.Constexpr[int], waves: cutlass.Constexpr[int]) -> cute.TensorSSA:
+    """FP32 sum of this lane's ranks for token ``t``, in wave order from +0."""
+    total = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
+    total.fill(Float32(0.0))
+    for wave in cutlass.range_constexpr(waves):
+        total.store(total.load() + ptx.words_to_f32x8(kept[t, wave, None].load()))
+    return total.load()
+
+
+@cute.jit
+def sum_over_lanes(values: cute.Tensor, lanes: cutlass.Constexpr[int]) -> None:
+    """Xor butterfly over ``lanes`` (a power of two) consecutive lanes; each ends with the total.
+
+    The warp must be converged (lanes leave the poll at different times: call
+    ``cute.arch.sync_warp()`` first).
+    """
+    for step in cutlass.range_constexpr(lanes.bit_length() - 1):
+        for k in cutlass.range_constexpr(VEC_BF16):
+            values[k] = values[k] + cute.arch.shuffle_sync_bfly(
+                values[k], offset=1 << step, mask=-1, mask_and_clamp=31
+            )
+
+
+@cute.jit
+def rearm_slots(
+    mailbox: Int64,
+    stage: Uint32,
+    first_token: Int32,
+    last_token: Int32,
+    fragment: Int32,
+    lane: Int32,
+    active: Boolean,
+    tokens: cutlass.Constexpr[int],
+    tp: cutlass.Constexpr[int],
+    lanes: cutlass.Constexpr[int],
+    capacity: Int32,
+    hidden: cutlass.Constexpr[int],
+) -> None:
+    """Write the -0 sentinel back into every slot this lane polled."""
+    if active:
+        for t in cutlass.range_constexpr(tokens):
+            token = cutlass.min(first_token + t, last_token)
+            for wave in cutlass.range_constexpr(rank_waves(tp, lanes)):
+                source = lane + wave * lanes
+                if source < tp:
+                    ptx.store_sentinel_u32x4(mailbox + slot_bytes(stage, source, token, fragment, tp, capacity, hidden))

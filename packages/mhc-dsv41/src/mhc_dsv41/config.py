@@ -1,0 +1,155 @@
+"""DSV4.1 presets: the frozen configuration of one model target and its derived launch geometry.
+
+Pure Python (no torch, no DSL): the code generator imports it to validate
+``presets.toml`` and to render the preset modules.
+
+Geometry (the collective, ``mhc_dsv41.kernel``): one cluster of ``cluster_size``
+CTAs of ``threads`` threads per token; ``rank_lanes`` consecutive threads share a
+16-byte fragment (lane ``l`` polls ranks ``l, l + rank_lanes, ...``); a cluster
+covers ``cluster_size * threads / rank_lanes`` fragments per trip and makes
+``trips`` trips over the token's ``hidden / 8`` fragments (the last may be partial).
+
+``default_geometry`` is the rule a plain ``AllReduceMHC(...)`` uses when the
+caller gives no geometry, and the rule that fills a preset's omitted keys:
+128 threads, one rank lane, and the smallest cluster (at most 8 CTAs) that
+covers the token in one trip, else 8 CTAs and several trips.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mhc_core.constants import VEC_BF16, WARP_SIZE
+from mhc_core.presets import (
+    MAX_CLUSTER_SIZE,
+    require,
+    require_archs,
+    require_hidden,
+    require_int,
+    require_name,
+    require_positive_float,
+    require_threads,
+    require_tp,
+)
+
+DEFAULT_THREADS = 128
+DEFAULT_RANK_LANES = 1
+#: Registers hold every trip's hc residual fragments (4 words each): bound them.
+MAX_TRIP_STREAMS = 16
+
+
+def default_geometry(hidden: int, hc: int, tp: int) -> dict[str, int]:
+    """``cluster_size``, ``threads`` and ``rank_lanes`` for a plain constructor (module docstring)."""
+    fragments = hidden // VEC_BF16
+    groups = DEFAULT_THREADS // DEFAULT_RANK_LANES
+    cluster_size = min(MAX_CLUSTER_SIZE, max(1, -(-fragments // groups)))
+    return {"cluster_size": cluster_size, "threads": DEFAULT_THREADS, "rank_lanes": DEFAULT_RANK_LANES}
+
+
+@dataclass(frozen=True, slots=True)
+class DSV41Preset:
+    """One DSV4.1 target. Every value is validated; see the module docstring for the geometry."""
+
+    name: str
+    hidden: int
+    hc: int
+    tp: int
+    top_k: int
+    cluster_size: int
+    threads: int
+    rank_lanes: int
+    norm_eps: float
+    archs: tuple[str, ...]
+    publish_threads: int = 128
+    description: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        require_name(self.name)
+        require_hidden(self.hidden)
+        require_int("hc", self.hc, minimum=1, maximum=16)
+        require_tp(self.tp)
+        require_int("top_k", self.top_k, minimum=1, maximum=64)
+        require_int("cluster_size", self.cluster_size, minimum=1, maximum=MAX_CLUSTER_SIZE)
+        require(self.rank_lanes in (1, 2, 4, 8), "rank_lanes", "must be 1, 2, 4 or 8", self.rank_lanes)
+        require(self.tp % self.rank_lanes == 0, "rank_lanes", f"must divide tp ({self.tp})", self.rank_lanes)
+        require_threads("threads", self.threads, multiple=self.rank_lanes)
+        require_threads("publish_threads", self.publish_threads)
+        require_positive_float("norm_eps", self.norm_eps)
+        require_archs(self.archs)
+        require(
+            self.trips * self.hc <= MAX_TRIP_STREAMS,
+            "cluster_size",
+            f"trips x hc must be <= {MAX_TRIP_STREAMS} (each trip keeps hc residual fragments in registers); "
+            f"trips = {self.trips}, hc = {self.hc}",
+            self.cluster_size,
+        )
+
+    # ------------------------------------------------------------ geometry
+    @property
+    def fragments(self) -> int:
+        return self.hidden // VEC_BF16
+
+    @property
+    def groups_per_cta(self) -> int:
+        return self.threads // self.rank_lanes
+
+    @property
+    def fragment_stride(self) -> int:
+        return self.cluster_size * self.groups_per_cta
+
+    @property
+    def trips(self) -> int:
+        return -(-self.fragments // self.fragment_stride)
+
+    @property
+    def warps(self) -> int:
+        return self.threads // WARP_SIZE
+
+    @property
+    def shared_bytes(self) -> int:
+        """Warp sums and one slot per cluster peer for the RMSNorm sum of squares."""
+        return (self.warps + self.cluster_size) * 4
+
+    def geometry(self) -> dict[str, Any]:
+        return {
+            "grid": f"(M, {self.cluster_size}, 1)",
+            "cluster": (1, self.cluster_size, 1),
+            "threads": self.threads,
+            "rank_lanes": self.rank_lanes,
+            "fragments": self.fragments,
+            "trips": self.trips,
+            "last_trip_fragments": self.fragments - (self.trips - 1) * self.fragment_stride,
+            "shared_bytes": self.shared_bytes,
+            "publish_grid": f"(M, {-(-self.fragments // self.publish_threads)}, 1)",
+            "publish_threads": self.publish_threads,
+        }
+
+    # ----------------------------------------------------------- kernels
+    def collective_config(self) -> dict[str, Any]:
+        return {
+            "hidden": self.hidden,
+            "hc": self.hc,
+            "tp": self.tp,
+            "cluster_size": self.cluster_size,
+            "rank_lanes": self.rank_lanes,
+            "threads": self.threads,
+        }
+
+    def kernel_specs(self, arch: str) -> dict[str, tuple[str, dict[str, Any]]]:
+        """Every kernel an ``AllReduceMHC`` of this preset launches: class path and config.
+
+        The unicast publish (the transport every lent host runs) and the
+        multicast one (opt-in, compile-checked), the FP32-weight finalize, the
+        collective. None depends on ``arch`` beyond the compile target.
+        """
+        publish = {"hidden": self.hidden, "tp": self.tp, "threads": self.publish_threads, "trigger": "after_stores"}
+        return {
+            "publish": ("mhc_core.publish:PublishKernel", {**publish, "store": "unicast"}),
+            "publish_multicast": ("mhc_core.publish:PublishKernel", {**publish, "store": "multicast"}),
+            "finalize": (
+                "mhc_core.publish:FinalizePublishKernel",
+                {**publish, "store": "unicast", "top_k": self.top_k, "weights": "float32"},
+            ),
+            "collective": ("mhc_dsv41.kernel:LamportMHCKernel", self.collective_config()),
+        }

@@ -1,0 +1,237 @@
+"""The DSV4.1 collective: Lamport all-reduce fused with the mHC post-mix, the carried-pre
+collapse and RMSNorm (the reference's ``_LamportMHCDeviceKernel``).
+
+One cluster of ``cluster_size`` CTAs per token (grid ``(M, cluster_size)``). Per
+fragment, with ``x`` the all-reduced sublayer output rounded to BF16:
+
+* ``mixed_j = x * post[j] + sum_i residual[i] * comb[i, j]`` (sources in order),
+  stored as ``residual_out[:, j]`` in BF16;
+* ``collapse = bf16(sum_j bf16(mixed_j) * pre[j])`` (streams in order, from 0);
+* ``layer_input = bf16(collapse * rsqrt(sum(collapse^2) / hidden + eps) * weight)``,
+  the sum of squares reduced over the cluster through distributed shared memory.
+
+Residual streams, weight and mixes are loaded before the PDL wait when the op
+says the kernel right before is a publish (``prefetch``); the slots are re-armed
+after reading and the next stage is set once per launch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32
+
+from mhc_core import protocol, ptx, reduce
+from mhc_core.collective import mailbox_params
+from mhc_core.compiler import DeviceKernel
+from mhc_core.constants import VEC_BF16, WARP_SIZE
+from mhc_core.signature import Param, Ptr, Scalar, Signature, Stream
+
+
+@dataclass(frozen=True, slots=True)
+class MHCConfig:
+    """Compile-time constants of the collective (the geometry rules: ``mhc_dsv41.config``)."""
+
+    hidden: int
+    hc: int
+    tp: int
+    cluster_size: int
+    rank_lanes: int
+    threads: int
+
+    def __post_init__(self) -> None:
+        if self.hidden <= 0 or self.hidden % VEC_BF16:
+            raise ValueError(f"hidden: expected a positive multiple of {VEC_BF16}, got {self.hidden}")
+        if self.rank_lanes not in (1, 2, 4, 8) or self.tp % self.rank_lanes:
+            raise ValueError(f"rank_lanes: expected 1, 2, 4 or 8 dividing tp = {self.tp}, got {self.rank_lanes}")
+        if self.threads % WARP_SIZE or self.threads % self.rank_lanes or not 0 < self.threads <= 1024:
+            raise ValueError(f"threads: expected a multiple of 32 and of rank_lanes in [32, 1024], got {self.threads}")
+        if not 1 <= self.cluster_size <= 8:
+            raise ValueError(f"cluster_size: expected 1..8, got {self.cluster_size}")
+
+    @property
+    def fragments(self) -> int:
+        return self.hidden // VEC_BF16
+
+    @property
+    def groups_per_cta(self) -> int:
+        return self.threads // self.rank_lanes
+
+    @property
+    def fragment_stride(self) -> int:
+        return self.cluster_size * self.groups_per_cta
+
+    @property
+    def trips(self) -> int:
+        return -(-self.fragments // self.fragment_stride)
+
+    @property
+    def warps(self) -> int:
+        return self.threads // WARP_SIZE
+
+    @property
+    def shared_bytes(self) -> int:
+        return (self.warps + self.cluster_size) * 4
+
+
+class LamportMHCKernel(DeviceKernel):
+    name = "collective"
+    config_type = MHCConfig
+
+    def signature(self) -> Signature:
+        return (
+            Param("residual", Ptr(BFloat16)),
+            Param("post", Ptr(Float32, 4)),
+            Param("comb", Ptr(Float32, 4)),
+            Param("pre", Ptr(Float32, 4)),
+            Param("gamma", Ptr(BFloat16)),
+            Param("residual_out", Ptr(BFloat16)),
+            Param("layer_input", Ptr(BFloat16)),
+            Param("eps", Scalar(Float32)),
+            Param("prefetch", Scalar(Int32)),
+            *mailbox_params(),
+            Param("m", Scalar(Int32)),
+            Param("stream", Stream()),
+        )
+
+    @cute.jit
+    def __call__(
+        self, residual, post, comb, pre, gamma, residual_out, layer_input, eps, prefetch,
+        mailbox, stage_state, capacity, spin_limit_ns, error_flag, m, stream,
+    ):  # fmt: skip
+        config = self.config
+        self.kernel(
+            residual, post, comb, pre, gamma, residual_out, layer_input, eps, prefetch,
+            mailbox, stage_state, capacity, spin_limit_ns, error_flag,
+        ).launch(
+            grid=(m, config.cluster_size, 1),
+            block=(config.threads, 1, 1),
+            cluster=(1, config.cluster_size, 1),
+            smem=config.shared_bytes,
+            stream=stream,
+            use_pdl=True,
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel(
+        self,
+        residual: cute.Pointer,
+        post: cute.Pointer,
+        comb: cute.Pointer,
+        pre: cute.Pointer,
+        gamma: cute.Pointer,
+        residual_out: cute.Pointer,
+        layer_input: cute.Pointer,
+        eps: Float32,
+        prefetch: Int32,
+        mailbox: cute.Tensor,
+        stage_state: cute.Tensor,
+        capacity: Int32,
+        spin_limit_ns: Int64,
+        error_flag: Int64,
+    ):
+        config = self.config
+        hc, tp, lanes, hidden, trips = config.hc, config.tp, config.rank_lanes, config.hidden, config.trips
+        waves = protocol.rank_waves(tp, lanes)
+        tidx, _, _ = cute.arch.thread_idx()
+        token, _, _ = cute.arch.block_idx()
+        cluster_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        lane = tidx % lanes
+        leader = lane == 0
+        base_fragment = cluster_rank * config.groups_per_cta + tidx // lanes
+        mailbox_base = mailbox.iterator.toint()
+
+        if prefetch == Int32(0):
+            cute.arch.griddepcontrol_wait()
+        # Weights, residual streams and mixes: written before the publish's producer ran.
+        gamma_words = cute.make_rmem_tensor(cute.make_layout((trips, 4), stride=(4, 1)), Uint32)
+        stream_words = cute.make_rmem_tensor(cute.make_layout((trips, hc, 4), stride=(hc * 4, 4, 1)), Uint32)
+        gamma_words.fill(Uint32(0))
+        stream_words.fill(Uint32(0))
+        for trip in cutlass.range_constexpr(trips):
+            fragment = base_fragment + trip * config.fragment_stride
+            if (fragment < config.fragments) & leader:
+                column = Int64(fragment) * VEC_BF16
+                gamma_words[trip, None].store(ptx.load_u32x4(gamma.toint() + column * 2))
+                for source in cutlass.range_constexpr(hc):
+                    element = (Int64(token) * hc + source) * hidden + column
+                    stream_words[trip, source, None].store(ptx.load_u32x4(residual.toint() + element * 2))
+        post_mix = cute.make_rmem_tensor(cute.make_layout((hc,)), Float32)
+        pre_mix = cute.make_rmem_tensor(cute.make_layout((hc,)), Float32)
+        comb_mix = cute.make_rmem_tensor(cute.make_layout((hc, hc), stride=(hc, 1)), Float32)
+        for target in cutlass.range_constexpr(hc):
+            mix = Int64(token) * hc + target
+            post_mix[target] = cute.arch.load((post + mix).llvm_ptr, Float32)
+            pre_mix[target] = cute.arch.load((pre + mix).llvm_ptr, Float32)
+            for source in cutlass.range_constexpr(hc):
+                comb_mix[source, target] = cute.arch.load(
+                    (comb + (Int64(token) * hc + source) * hc + target).llvm_ptr, Float32
+                )
+
+        cute.arch.griddepcontrol_wait()
+        stage = protocol.active_stage(stage_state)
+        prenorm_words = cute.make_rmem_tensor(cute.make_layout((trips, 4), stride=(4, 1)), Uint32)
+        prenorm_words.fill(Uint32(0))
+        kept = cute.make_rmem_tensor(cute.make_layout((1, waves, 4), stride=(waves * 4, 4, 1)), Uint32)
+        total = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
+        for trip in cutlass.range_constexpr(trips):
+            fragment = base_fragment + trip * config.fragment_stride
+            active = fragment < config.fragments
+            protocol.poll_slots(
+                kept, mailbox_base, stage, token, token, fragment, lane, active, 1, tp, lanes, capacity, hidden,
+                spin_limit_ns, error_flag,
+            )  # fmt: skip
+            cute.arch.sync_warp()
+            total.store(protocol.lane_sum(kept, 0, waves))
+            protocol.sum_over_lanes(total, lanes)
+            if active & leader:
+                # The all-reduced sublayer output is BF16, as the unfused collective returns it.
+                reduced = total.load().to(BFloat16).to(Float32)
+                collapse = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
+                collapse.fill(Float32(0.0))
+                column = Int64(fragment) * VEC_BF16
+                for target in cutlass.range_constexpr(hc):
+                    mixed = reduced * post_mix[target]
+                    for source in cutlass.range_constexpr(hc):
+                        mixed = mixed + ptx.words_to_f32x8(stream_words[trip, source, None].load()) * comb_mix[
+                            source, target
+                        ]
+                    mixed_words = ptx.f32x8_to_words(mixed)
+                    element = (Int64(token) * hc + target) * hidden + column
+                    ptx.store_u32x4(residual_out.toint() + element * 2, mixed_words)
+                    collapse.store(collapse.load() + ptx.words_to_f32x8(mixed_words) * pre_mix[target])
+                prenorm_words[trip, None].store(ptx.f32x8_to_words(collapse.load()))
+
+        protocol.advance_stage(stage_state, stage, (token == 0) & (cluster_rank == 0) & (tidx == 0))
+        cute.arch.griddepcontrol_launch_dependents()
+        for trip in cutlass.range_constexpr(trips):
+            fragment = base_fragment + trip * config.fragment_stride
+            protocol.rearm_slots(
+                mailbox_base, stage, token, token, fragment, lane, fragment < config.fragments, 1, tp, lanes,
+                capacity, hidden,
+            )  # fmt: skip
+
+        squares = cute.make_rmem_tensor(cute.make_layout((1,)), Float32)
+        squares[0] = Float32(0.0)
+        for trip in cutlass.range_constexpr(trips):
+            fragment = base_fragment + trip * config.fragment_stride
+            if (fragment < config.fragments) & leader:
+                values = ptx.words_to_f32x8(prenorm_words[trip, None].load())
+                squares[0] = squares[0] + (values * values).reduce(
+                    cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0
+                )
+        smem = cutlass.utils.SmemAllocator()
+        warp_sums = smem.allocate_array(Float32, config.warps)
+        cluster_sums = smem.allocate_array(Float32, config.cluster_size)
+        reduce.block_to_cluster(squares, 1, warp_sums, cluster_sums, cluster_rank, config.threads, config.cluster_size)
+        sum_squares = reduce.cluster_total(cluster_sums, 0, 1, config.cluster_size)
+        inv_rms = cute.math.rsqrt(sum_squares / Float32(hidden) + eps, fastmath=True)
+        for trip in cutlass.range_constexpr(trips):
+            fragment = base_fragment + trip * config.fragment_stride
+            if (fragment < config.fragments) & leader:
+                prenorm = ptx.words_to_f32x8(prenorm_words[trip, None].load())
+                weight = ptx.words_to_f32x8(gamma_words[trip, None].load())
+                element = Int64(token) * hidden + Int64(fragment) * VEC_BF16
+                ptx.store_u32x4(layer_input.toint() + element * 2, ptx.f32x8_to_words(prenorm * inv_rms * weight))

@@ -1,0 +1,31 @@
+"""mhc-glm5: GLM-5.3-Flash's TP all-reduce fused with the whole mHC sublayer boundary.
+
+``AllReduceMhcBoundary`` (plain and MoE input, any TP, unicast or multicast; the
+post-mix and Sinkhorn residual mix finished on a side stream) and one generated
+module per preset (``mhc_glm5.presets``). Importing the package checks the
+installed mhc-core against this package's pin; the DSL and torch load when
+``AllReduceMhcBoundary`` is first used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mhc_core.compat import check_core_version
+
+__version__ = "0.1.0"
+#: The mhc-core releases this package works with (compatible-release pin).
+CORE_REQUIREMENT = "~=0.1.0"
+
+check_core_version(CORE_REQUIREMENT, __name__)
+
+__all__ = ["CORE_REQUIREMENT", "AllReduceMhcBoundary", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "AllReduceMhcBoundary":
+        from .op import AllReduceMhcBoundary
+
+        globals()[name] = AllReduceMhcBoundary
+        return AllReduceMhcBoundary
+    raise AttributeError(f"module 'mhc_glm5' has no attribute {name!r}")

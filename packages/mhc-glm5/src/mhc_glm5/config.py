@@ -1,0 +1,259 @@
+"""GLM-5.3-Flash presets: the frozen configuration of one target and its derived launch geometry.
+
+Pure Python (no torch, no DSL): the code generator imports it to validate
+``presets.toml`` and to render the preset modules.
+
+Geometry: one cluster of ``cluster_size`` CTAs per token (or per group of tokens,
+``cluster_tokens``). A CTA holds ``hidden / 8 / cluster_size`` fragment groups of 4
+lanes: lane ``j`` polls ranks ``j, j + 4, ...`` and then owns residual stream ``j``,
+so ``threads = hidden / 8 / cluster_size * 4``. The cluster reductions send one
+(value, peer) pair per thread: 25 values (24 mixes and the sum of squares).
+
+``cluster_tokens`` is a list of ``(min_tokens, tokens_per_cluster)`` thresholds:
+a call with M tokens uses the entry with the largest ``min_tokens <= M`` (one
+token per cluster below the first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mhc_core.constants import VEC_BF16, WARP_SIZE
+from mhc_core.presets import (
+    MAX_CLUSTER_SIZE,
+    MAX_SHARED_BYTES,
+    PresetError,
+    require,
+    require_archs,
+    require_hidden,
+    require_int,
+    require_name,
+    require_positive_float,
+    require_threads,
+    require_tp,
+)
+
+HC = 4
+MIX = 24
+#: Values each cluster reduction carries per token: 24 mixes and the sum of squares.
+VALUES = MIX + 1
+#: Per token, the grouped kernel stages post (4) and comb (16) in shared memory.
+MIX_INPUTS = HC + HC * HC
+MAX_TOKENS_PER_CLUSTER = 32
+
+
+def boundary_threads(hidden: int, cluster_size: int) -> int:
+    return hidden // VEC_BF16 // cluster_size * HC
+
+
+def boundary_shared_bytes(hidden: int, cluster_size: int) -> int:
+    """One-token kernel: the 25-value reduction (warp sums, peer slots, totals), then the 1-value one."""
+    warps = boundary_threads(hidden, cluster_size) // WARP_SIZE
+    first = (warps + cluster_size + 1) * VALUES
+    second = warps + cluster_size
+    return (first + second) * 4
+
+
+def grouped_shared_bytes(hidden: int, cluster_size: int, tokens: int) -> int:
+    """Grouped kernel: every token's 4 residual fragments per group, its 20 mix inputs and reductions."""
+    groups = hidden // VEC_BF16 // cluster_size
+    warps = groups * HC // WARP_SIZE
+    staged = tokens * HC * groups * 16
+    floats = tokens * (MIX_INPUTS + (warps + cluster_size + 1) * VALUES + warps + cluster_size)
+    return staged + floats * 4
+
+
+def tokens_per_cluster(cluster_tokens: tuple[tuple[int, int], ...], m: int) -> int:
+    """The entry with the largest threshold ``<= m``; 1 below the first."""
+    chosen = 1
+    for threshold, tokens in cluster_tokens:
+        if m >= threshold:
+            chosen = tokens
+    return chosen
+
+
+def thresholds_from_mapping(mapping: dict[int, int]) -> tuple[tuple[int, int], ...]:
+    """Convert the reference's exact ``{M: tokens}`` mapping into thresholds.
+
+    Each listed M starts a range that lasts until the next listed M, so an
+    unlisted M between two tuned ones takes the lower one's value instead of
+    falling back to one token per cluster.
+    """
+    return tuple(sorted((int(m), int(tokens)) for m, tokens in mapping.items()))
+
+
+def check_cluster_tokens(value: object) -> tuple[tuple[int, int], ...]:
+    """Validate thresholds: pairs of ints, thresholds >= 1 and strictly increasing, tokens >= 1."""
+    key = "cluster_tokens"
+    require(isinstance(value, (list, tuple)), key, "must be a list of [min_tokens, tokens_per_cluster] pairs", value)
+    pairs = []
+    for entry in value:
+        require(
+            isinstance(entry, (list, tuple)) and len(entry) == 2 and all(isinstance(v, int) for v in entry),
+            key,
+            "each entry must be a [min_tokens, tokens_per_cluster] pair of integers",
+            entry,
+        )
+        threshold, tokens = entry
+        require(threshold >= 1, key, "min_tokens must be >= 1", entry)
+        require(
+            1 <= tokens <= MAX_TOKENS_PER_CLUSTER, key, f"tokens_per_cluster must be in 1..{MAX_TOKENS_PER_CLUSTER}", entry
+        )
+        pairs.append((threshold, tokens))
+    thresholds = [threshold for threshold, _ in pairs]
+    require(thresholds == sorted(set(thresholds)), key, "min_tokens must be strictly increasing", value)
+    return tuple(pairs)
+
+
+@dataclass(frozen=True, slots=True)
+class GLM5Preset:
+    """One GLM-5.3-Flash target. Every value is validated; see the module docstring."""
+
+    name: str
+    hidden: int
+    hc: int
+    tp: int
+    top_k: int
+    cluster_size: int
+    cluster_tokens: tuple[tuple[int, int], ...]
+    rms_eps: float
+    hc_eps: float
+    post_mult: float
+    sinkhorn_repeat: int
+    norm_eps: float
+    archs: tuple[str, ...]
+    publish_threads: int = 128
+    mixes_threads: int = 128
+    description: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        require_name(self.name)
+        require_hidden(self.hidden)
+        require(self.hc == HC, "hc", f"must be {HC} (one lane per residual stream in the GLM kernels)", self.hc)
+        require_tp(self.tp)
+        require_int("top_k", self.top_k, minimum=1, maximum=64)
+        require_int("cluster_size", self.cluster_size, minimum=1, maximum=MAX_CLUSTER_SIZE)
+        fragments = self.hidden // VEC_BF16
+        require(
+            fragments % self.cluster_size == 0,
+            "cluster_size",
+            f"must divide the {fragments} fragments of hidden = {self.hidden} evenly",
+            self.cluster_size,
+        )
+        threads = self.threads
+        require(
+            threads % WARP_SIZE == 0 and threads <= 1024,
+            "cluster_size",
+            f"threads = hidden / 8 / cluster_size * 4 = {threads} must be a multiple of 32 and <= 1024",
+            self.cluster_size,
+        )
+        require(
+            threads >= VALUES * self.cluster_size,
+            "cluster_size",
+            f"threads = {threads} must be >= 25 x cluster_size (one thread per reduced value and peer)",
+            self.cluster_size,
+        )
+        object.__setattr__(self, "cluster_tokens", check_cluster_tokens(self.cluster_tokens))
+        for _, tokens in self.cluster_tokens:
+            require(
+                threads >= tokens * self.cluster_size,
+                "cluster_tokens",
+                f"threads = {threads} must be >= tokens_per_cluster x cluster_size ({tokens} x {self.cluster_size})",
+                tokens,
+            )
+            shared = grouped_shared_bytes(self.hidden, self.cluster_size, tokens)
+            require(
+                shared <= MAX_SHARED_BYTES,
+                "cluster_tokens",
+                f"{tokens} tokens per cluster need {shared} bytes of shared memory, more than {MAX_SHARED_BYTES}",
+                tokens,
+            )
+        require_positive_float("rms_eps", self.rms_eps)
+        require_positive_float("hc_eps", self.hc_eps)
+        require_positive_float("post_mult", self.post_mult)
+        require_positive_float("norm_eps", self.norm_eps)
+        require_int("sinkhorn_repeat", self.sinkhorn_repeat, minimum=1, maximum=100)
+        require_threads("publish_threads", self.publish_threads)
+        require_threads("mixes_threads", self.mixes_threads)
+        require_archs(self.archs)
+
+    # ------------------------------------------------------------ geometry
+    @property
+    def fragments(self) -> int:
+        return self.hidden // VEC_BF16
+
+    @property
+    def threads(self) -> int:
+        return boundary_threads(self.hidden, self.cluster_size)
+
+    @property
+    def grouped_sizes(self) -> tuple[int, ...]:
+        return tuple(sorted({tokens for _, tokens in self.cluster_tokens if tokens > 1}))
+
+    def tokens_per_cluster(self, m: int) -> int:
+        return tokens_per_cluster(self.cluster_tokens, m)
+
+    def geometry(self) -> dict[str, Any]:
+        return {
+            "grid": f"(ceil(M / tokens_per_cluster), {self.cluster_size}, 1)",
+            "cluster": (1, self.cluster_size, 1),
+            "threads": self.threads,
+            "fragment_groups_per_cta": self.fragments // self.cluster_size,
+            "shared_bytes": boundary_shared_bytes(self.hidden, self.cluster_size),
+            "grouped_shared_bytes": {
+                tokens: grouped_shared_bytes(self.hidden, self.cluster_size, tokens) for tokens in self.grouped_sizes
+            },
+            "publish_grid": f"(M, {-(-self.fragments // self.publish_threads)}, 1)",
+            "publish_threads": self.publish_threads,
+            "mixes_grid": f"(ceil(M / {self.mixes_threads}), 1, 1)",
+            "mixes_threads": self.mixes_threads,
+        }
+
+    # ----------------------------------------------------------- kernels
+    def boundary_config(self, arch: str) -> dict[str, Any]:
+        return {
+            "hidden": self.hidden,
+            "tp": self.tp,
+            "cluster_size": self.cluster_size,
+            "rms_eps": self.rms_eps,
+            "hc_eps": self.hc_eps,
+            "norm_eps": self.norm_eps,
+            "mixed_fma": arch != "sm_90a",
+        }
+
+    def kernel_specs(self, arch: str) -> dict[str, tuple[str, dict[str, Any]]]:
+        """Every kernel an ``AllReduceMhcBoundary`` of this preset launches on ``arch``.
+
+        The GEMV's mixed-precision dot depends on the arch (``fma.rn.f32.bf16`` from
+        sm_100 on), so the boundary configs carry it.
+        """
+        publish = {"hidden": self.hidden, "tp": self.tp, "threads": self.publish_threads, "trigger": "after_wait"}
+        specs: dict[str, tuple[str, dict[str, Any]]] = {
+            "publish": ("mhc_core.publish:PublishKernel", {**publish, "store": "unicast"}),
+            "publish_multicast": ("mhc_core.publish:PublishKernel", {**publish, "store": "multicast"}),
+        }
+        for weights in ("float32", "bfloat16"):
+            specs[f"finalize_{weights}"] = (
+                "mhc_core.publish:FinalizePublishKernel",
+                {**publish, "store": "unicast", "top_k": self.top_k, "weights": weights},
+            )
+        specs["boundary"] = ("mhc_glm5.boundary:BoundaryKernel", self.boundary_config(arch))
+        for tokens in self.grouped_sizes:
+            specs[f"boundary_x{tokens}"] = (
+                "mhc_glm5.grouped:GroupBoundaryKernel",
+                {**self.boundary_config(arch), "tokens": tokens},
+            )
+        specs["mixes"] = (
+            "mhc_glm5.mixes:MixesKernel",
+            {
+                "hc_eps": self.hc_eps,
+                "post_mult": self.post_mult,
+                "sinkhorn_repeat": self.sinkhorn_repeat,
+                "threads": self.mixes_threads,
+            },
+        )
+        return specs
+
+
+__all__ = ["HC", "MIX", "VALUES", "GLM5Preset", "PresetError", "thresholds_from_mapping", "tokens_per_cluster"]
