@@ -36,7 +36,9 @@ def is_poisoned(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(torch.int32) == POISON_F32
 
 
-def bf16_randn(*shape: int, generator: torch.Generator | None = None, scale: float = 1.0, device="cuda") -> torch.Tensor:
+def bf16_randn(
+    *shape: int, generator: torch.Generator | None = None, scale: float = 1.0, device="cuda"
+) -> torch.Tensor:
     """Random BF16 with a sprinkle of -0.0 and +0.0 (the sentinel must never leak)."""
     values = torch.randn(*shape, generator=generator, device=device) * scale
     flat = values.view(-1)
@@ -69,8 +71,12 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, what: str
 
 
 def bf16_ulp(values: torch.Tensor) -> torch.Tensor:
-    """One BF16 ulp at each |value| (FP32): 2^(exponent - 7), at least the subnormal step."""
-    magnitude = values.float().abs()
+    """The BF16 spacing around each |value|: 2^(exponent - 7), at least the subnormal step.
+
+    A value within one ulp below a power of two takes the next binade's (double)
+    spacing: a result one rounding away may land just above the power of two.
+    """
+    magnitude = values.float().abs() * (1 + 2.0**-7)
     exponent = torch.floor(torch.log2(torch.clamp(magnitude, min=2.0**-126)))
     return torch.exp2(exponent - 7)
 
@@ -85,7 +91,11 @@ def assert_within(actual: torch.Tensor, expected: torch.Tensor, tolerance: torch
     excess = error - tolerance.float().expand_as(error)
     if (excess > 0).any():
         index = torch.argmax(excess).item()
-        flat = (a.reshape(-1)[index].item(), e.reshape(-1)[index].item(), tolerance.float().expand_as(error).reshape(-1)[index].item())
+        flat = (
+            a.reshape(-1)[index].item(),
+            e.reshape(-1)[index].item(),
+            tolerance.float().expand_as(error).reshape(-1)[index].item(),
+        )
         raise AssertionError(
             f"{what}: {int((excess > 0).sum())} of {a.numel()} elements outside tolerance; worst: "
             f"got {flat[0]!r}, expected {flat[1]!r}, tolerance {flat[2]!r}"

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support import assert_bitwise_equal, bf16_randn, build_ranks, is_poisoned, negative_zeros, poisoned, run_ranks
+from tests.support import (
+    assert_bitwise_equal,
+    bf16_randn,
+    build_ranks,
+    is_poisoned,
+    negative_zeros,
+    poisoned,
+    run_ranks,
+)
 
 pytestmark = pytest.mark.gpu
 

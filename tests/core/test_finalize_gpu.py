@@ -97,9 +97,7 @@ def test_finalize_route_index_debug_mode() -> None:
     """check_routes: an index past the rows is skipped and reported at the next call."""
     from mhc_core import LamportAllReduce, MoEOutput, RouteIndexError
 
-    op = LamportAllReduce(
-        hidden_size=HIDDEN, max_num_tokens=8, device="cuda", top_k=TOP_K, check_routes=True
-    )
+    op = LamportAllReduce(hidden_size=HIDDEN, max_num_tokens=8, device="cuda", top_k=TOP_K, check_routes=True)
     generator = torch.Generator("cuda").manual_seed(5)
     moe = make_moe(4, torch.float32, generator)
     index = moe.expanded_idx_to_permuted_idx.clone()

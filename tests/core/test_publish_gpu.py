@@ -28,7 +28,9 @@ def test_multicast_addressing_through_local_debug_store() -> None:
     compiled = compile_kernel(kernel, device_arch())
     xs = [bf16_randn(m, hidden) for _ in range(tp)]
     for rank in range(tp):
-        mailbox = LamportMailbox(group[rank], capacity=capacity, hidden=hidden, device=group.device, transport="unicast")
+        mailbox = LamportMailbox(
+            group[rank], capacity=capacity, hidden=hidden, device=group.device, transport="unicast"
+        )
         local = torch.tensor([mailbox.buffer.data_ptr()], dtype=torch.int64, device="cuda")
         mailbox.stage_state[0] = 2  # publish into generation 2
         bound = BoundKernel(

@@ -31,7 +31,6 @@ PTX_LOAD_VOLATILE_U32 = "ld.volatile.global.u32 $0, [$1];"
 PTX_STORE_U32 = "st.global.u32 [$0], $1;"
 PTX_STORE_SYSTEM_U32 = "st.relaxed.sys.global.u32 [$0], $1;"
 PTX_LOAD_U64 = "ld.global.nc.u64 $0, [$1];"
-PTX_FMA_F32 = "fma.rn.f32 $0, $1, $2, $3;"
 
 
 def _value(x, loc, ip) -> ir.Value:
@@ -256,63 +255,54 @@ def bf16_bits_to_f32(bits: Uint32) -> Float32:
     return _bits_to_f32(bits << Uint32(16))
 
 
-@cute.jit
-def bf16_low_to_f32(word: Uint32) -> Float32:
-    """Exact FP32 of the low BF16 half of a word."""
-    return _bits_to_f32(word << Uint32(16))
-
-
-@cute.jit
-def bf16_high_to_f32(word: Uint32) -> Float32:
-    """Exact FP32 of the high BF16 half of a word."""
-    return _bits_to_f32(word & Uint32(0xFFFF0000))
-
-
 @dsl_user_op
 def _bits_to_f32(bits: Uint32, *, loc=None, ip=None) -> Float32:
     return Float32(llvm.bitcast(T.f32(), _value(Uint32(bits), loc, ip), loc=loc, ip=ip))
 
 
 # ------------------------------------------------------------------- arithmetic
-@dsl_user_op
-def fma_f32(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
-    """``a * b + c`` with one rounding, never split or reassociated by the compiler."""
-    return Float32(
-        llvm.inline_asm(
-            T.f32(),
-            [_value(Float32(a), loc, ip), _value(Float32(b), loc, ip), _value(Float32(c), loc, ip)],
-            PTX_FMA_F32,
-            "=f,f,f,f",
-            has_side_effects=False,
-            asm_dialect=0,
-            loc=loc,
-            ip=ip,
-        )
-    )
+def _dot_bf16x8_ptx(mixed: bool) -> str:
+    """``$0 = fma(a[k], b[k], $0)`` for k = 0..7 from ``$0 = 0``; operands are 4 + 4 packed words.
 
-
-def _dot_bf16x8_ptx() -> str:
-    text = ["{", ".reg .b16 a<8>, b<8>;"]
-    for k in range(4):
-        text.append(f"mov.b32 {{a{2 * k}, a{2 * k + 1}}}, ${1 + k};")
-        text.append(f"mov.b32 {{b{2 * k}, b{2 * k + 1}}}, ${5 + k};")
-    text.append("mov.b32 $0, 0f00000000;")
-    text.extend(f"fma.rn.f32.bf16 $0, a{k}, b{k}, $0;" for k in range(VEC_BF16))
+    ``mixed``: ``fma.rn.f32.bf16`` on the BF16 halves (sm_100+). Otherwise each half
+    is widened exactly (low: ``w << 16``, high: ``w & 0xFFFF0000``) and fed to
+    ``fma.rn.f32``: one rounding per step in both, so the results are bit-identical.
+    Keeping the unpack inside one asm block stops the compiler from hoisting the
+    widened weights out of a token loop (which doubles their registers).
+    """
+    if mixed:
+        text = ["{", ".reg .b16 a<8>, b<8>;"]
+        for k in range(4):
+            text.append(f"mov.b32 {{a{2 * k}, a{2 * k + 1}}}, ${1 + k};")
+            text.append(f"mov.b32 {{b{2 * k}, b{2 * k + 1}}}, ${5 + k};")
+        text.append("mov.b32 $0, 0f00000000;")
+        text.extend(f"fma.rn.f32.bf16 $0, a{k}, b{k}, $0;" for k in range(VEC_BF16))
+    else:
+        text = ["{", ".reg .b32 a<8>, b<8>;"]
+        for k in range(4):
+            text.append(f"shl.b32 a{2 * k}, ${1 + k}, 16;")
+            text.append(f"and.b32 a{2 * k + 1}, ${1 + k}, 0xFFFF0000;")
+            text.append(f"shl.b32 b{2 * k}, ${5 + k}, 16;")
+            text.append(f"and.b32 b{2 * k + 1}, ${5 + k}, 0xFFFF0000;")
+        text.append("mov.b32 $0, 0f00000000;")
+        text.extend(f"fma.rn.f32 $0, a{k}, b{k}, $0;" for k in range(VEC_BF16))
     text.append("}")
     return "\n\t".join(text)
 
 
-#: The sm_100+ mixed-precision dot: BF16 operands, FP32 accumulator, exact products.
-PTX_DOT_BF16X8 = _dot_bf16x8_ptx()
+#: The mixed-precision dot: BF16 operands, FP32 accumulator, exact products (sm_100+).
+PTX_DOT_BF16X8 = _dot_bf16x8_ptx(mixed=True)
+#: The same dot on sm_90: exact widening, then FP32 FMAs in the same order.
+PTX_DOT_BF16X8_WIDENED = _dot_bf16x8_ptx(mixed=False)
 
 
 @dsl_user_op
-def _dot_bf16x8_mixed(a: cute.TensorSSA, b: cute.TensorSSA, *, loc=None, ip=None) -> Float32:
+def _dot_bf16x8(a: cute.TensorSSA, b: cute.TensorSSA, text: str, *, loc=None, ip=None) -> Float32:
     return Float32(
         llvm.inline_asm(
             T.f32(),
             [*_word_values(a, loc=loc, ip=ip), *_word_values(b, loc=loc, ip=ip)],
-            PTX_DOT_BF16X8,
+            text,
             "=f," + ",".join(["r"] * 8),
             has_side_effects=False,
             asm_dialect=0,
@@ -330,16 +320,21 @@ def dot_bf16x8(a: cute.TensorSSA, b: cute.TensorSSA, mixed_fma: cutlass.Constexp
     rejects it) the halves are unpacked exactly and fed to ``fma.rn.f32`` in the
     same order: both round once per step, so the results are bit-identical.
     """
-    result = Float32(0.0)
-    if cutlass.const_expr(mixed_fma):
-        result = _dot_bf16x8_mixed(a, b)
-    else:
-        for k in cutlass.range_constexpr(4):
-            wa = Uint32(a[k])
-            wb = Uint32(b[k])
-            result = fma_f32(bf16_low_to_f32(wa), bf16_low_to_f32(wb), result)
-            result = fma_f32(bf16_high_to_f32(wa), bf16_high_to_f32(wb), result)
-    return result
+    return _dot_bf16x8(a, b, PTX_DOT_BF16X8 if mixed_fma else PTX_DOT_BF16X8_WIDENED)
+
+
+# ------------------------------------------------------------------ shared memory
+@dsl_user_op
+def load_shared_u32x4(pointer: cute.Pointer, *, loc=None, ip=None) -> cute.TensorSSA:
+    """One 16-byte load from shared memory (a staged fragment)."""
+    vec = cute.arch.load(pointer.llvm_ptr, ir.VectorType.get([4], T.i32()), loc=loc, ip=ip)
+    return cute.TensorSSA(vec, (4,), Uint32)
+
+
+@dsl_user_op
+def store_shared_u32x4(pointer: cute.Pointer, words: cute.TensorSSA, *, loc=None, ip=None) -> None:
+    """One 16-byte store to shared memory."""
+    cute.arch.store(pointer.llvm_ptr, words.ir_value(loc=loc, ip=ip), loc=loc, ip=ip)
 
 
 # ----------------------------------------------------------------------- cluster

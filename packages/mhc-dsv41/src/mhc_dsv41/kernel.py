@@ -222,7 +222,7 @@ class LamportMHCKernel(DeviceKernel):
                 squares[0] = squares[0] + (values * values).reduce(
                     cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0
                 )
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         warp_sums = smem.allocate_array(Float32, config.warps)
         cluster_sums = smem.allocate_array(Float32, config.cluster_size)
         reduce.block_to_cluster(squares, 1, warp_sums, cluster_sums, cluster_rank, config.threads, config.cluster_size)

@@ -40,7 +40,9 @@ MIX = 24
 VALUES = MIX + 1
 #: Per token, the grouped kernel stages post (4) and comb (16) in shared memory.
 MIX_INPUTS = HC + HC * HC
-MAX_TOKENS_PER_CLUSTER = 32
+#: The grouped kernel keeps every token's fragment words in registers next to the 24 fn
+#: rows: 8 tokens fit in 255 registers without spilling (ptxas, sm_90a and sm_100a); 16 spill.
+MAX_TOKENS_PER_CLUSTER = 8
 
 
 def boundary_threads(hidden: int, cluster_size: int) -> int:

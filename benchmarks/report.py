@@ -1,0 +1,60 @@
+"""Tables and plots of benchmark records."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+
+def table(records) -> str:
+    """One row per M: every variant's median microseconds, the byte floor, fused ratios."""
+    if not records:
+        return ""
+    by_suite = defaultdict(list)
+    for record in records:
+        by_suite[(record.suite, record.tp)].append(record)
+    lines = []
+    for (suite, tp), rows in by_suite.items():
+        variants = list(dict.fromkeys(r.variant for r in rows))
+        fused = next((v for v in variants if v.startswith(("fused", "lamport"))), None)
+        lines.append(f"\n{suite}, tp {tp} (median us per call, CUDA-graph replays)")
+        lines.append("| M | " + " | ".join(variants) + " | byte floor | fused / floor |")
+        lines.append("|" + "---|" * (len(variants) + 3))
+        for m in sorted({r.m for r in rows}):
+            at_m = {r.variant: r for r in rows if r.m == m}
+            floor = next(iter(at_m.values())).floor_us
+            cells = [f"{at_m[v].us:.1f}" if v in at_m else "" for v in variants]
+            ratio = f"{at_m[fused].us / floor:.2f}" if fused in at_m else ""
+            lines.append(f"| {m} | " + " | ".join(cells) + f" | {floor:.1f} | {ratio} |")
+    return "\n".join(lines)
+
+
+def plots(records, folder: Path, stem: str, header: dict) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plots", flush=True)
+        return
+    by_suite = defaultdict(list)
+    for record in records:
+        by_suite[record.suite].append(record)
+    for suite, rows in by_suite.items():
+        figure, axis = plt.subplots(figsize=(7, 4.5))
+        for variant in dict.fromkeys(r.variant for r in rows):
+            points = sorted((r.m, r.us) for r in rows if r.variant == variant)
+            axis.plot(*zip(*points, strict=True), marker="o", label=variant)
+        floors = sorted({(r.m, r.floor_us) for r in rows})
+        axis.plot(*zip(*floors, strict=True), linestyle="--", color="black", label="HBM byte floor")
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("tokens M")
+        axis.set_ylabel("us per call (median, CUDA graph)")
+        axis.set_title(f"{suite}, tp {header['tp']}: {header['gpu'].split(' (')[0]}, {header['date']}")
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend(fontsize=7)
+        figure.tight_layout()
+        figure.savefig(folder / f"{stem}_{suite}.png", dpi=110)
+        plt.close(figure)

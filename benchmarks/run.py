@@ -1,0 +1,114 @@
+"""Run the benchmarks and print their tables (``nox -s bench`` wraps this).
+
+    python3 -m benchmarks.run [--suite core dsv41 glm5 glm5-thresholds] [--out DIR]
+    python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m benchmarks.run   # real tp 2
+
+Under torchrun the suites run over a real NCCL group (unicast Lamport; NVLink
+multicast stays off). Results go to DIR as JSON, a markdown table and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for package in ("mhc-core", "mhc-dsv41", "mhc-glm5"):
+    source = str(ROOT / "packages" / package / "src")
+    if source not in sys.path:
+        sys.path.insert(0, source)
+for variable, value in (
+    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+    ("NCCL_NVLS_ENABLE", "0"),
+    ("NVSHMEM_DISABLE_NVLS", "1"),
+):
+    os.environ.setdefault(variable, value)
+
+import torch  # noqa: E402
+
+from . import report, suites  # noqa: E402
+from .harness import copy_bandwidth_bytes_per_us, device_description  # noqa: E402
+
+SUITES = ("core", "dsv41", "glm5", "glm5-thresholds")
+DEFAULT_M = (1, 8, 64, 256, 1024)
+THRESHOLD_M = (8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+        ).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def save(folder: Path, header: dict, records: list) -> None:
+    """Write what has been measured so far (a run cut short keeps its finished suites)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    payload = {**header, "records": [record.as_dict() for record in records]}
+    (folder / f"tp{header['tp']}.json").write_text(json.dumps(payload, indent=1))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--suite", nargs="+", choices=SUITES, default=list(SUITES))
+    parser.add_argument("--m", nargs="+", type=int, default=list(DEFAULT_M))
+    parser.add_argument("--out", type=Path, default=ROOT / ".out" / "bench")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
+    parser.add_argument("--commit", default=None, help="commit to record (default: git HEAD)")
+    options = parser.parse_args()
+
+    group, tp, rank = None, 1, 0
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import torch.distributed as dist
+
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+        group, tp, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+    bandwidth = copy_bandwidth_bytes_per_us()
+    ctx = suites.Context(tp=tp, rank=rank, group=group, bandwidth=bandwidth, compile_baselines=not options.no_compile)
+    header = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": device_description(),
+        "commit": options.commit or commit(),
+        "tp": tp,
+        "copy_bandwidth_tb_s": bandwidth / 1e6,
+    }
+    if rank == 0:
+        print(json.dumps(header), flush=True)
+    records = []
+    for suite in options.suite:
+        if suite == "core":
+            records += suites.core_suite(ctx, options.m)
+        elif suite == "dsv41":
+            records += suites.dsv41_suite(ctx, options.m)
+        elif suite == "glm5":
+            records += suites.glm5_suite(ctx, options.m)
+        else:
+            records += suites.glm5_thresholds(ctx, list(THRESHOLD_M))
+        if rank == 0:
+            print(report.table([r for r in records if r.suite.startswith(suite)]), flush=True)
+    if rank == 0:
+        options.out.mkdir(parents=True, exist_ok=True)
+        stem = f"tp{tp}"
+        (options.out / f"{stem}.json").write_text(
+            json.dumps({**header, "records": [r.as_dict() for r in records]}, indent=1)
+        )
+        report.plots(records, options.out, stem, header)
+        print(f"results in {options.out}", flush=True)
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

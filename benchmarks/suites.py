@@ -1,0 +1,242 @@
+"""The measured configurations: the fused ops beside the baselines, one record per (variant, M).
+
+Byte floors count what the boundary must move once through HBM (inputs read and
+outputs written, weights once per call; the mailbox traffic not counted) divided by
+the copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from . import baselines
+from .harness import graph_time_us
+
+HC = 4
+MIX = 24
+
+
+@dataclass
+class Record:
+    suite: str
+    tp: int
+    m: int
+    variant: str
+    us: float
+    floor_us: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Context:
+    tp: int
+    rank: int
+    group: Any  # None at tp = 1, else the process group
+    bandwidth: float  # bytes per microsecond, read + written
+    compile_baselines: bool = True
+
+    def sync(self) -> None:
+        torch.cuda.synchronize()
+        if self.group is not None:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.group)
+
+    def time(self, step: Callable[[], object]) -> float:
+        """``graph_time_us`` with every rank's replays started together; the slowest rank's median."""
+        self.sync()
+        us = graph_time_us(step, before_replay=self.sync)
+        if self.group is None:
+            return us
+        import torch.distributed as dist
+
+        value = torch.tensor([us], device="cuda")
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        return float(value.item())
+
+
+def bf16(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, device="cuda").to(torch.bfloat16)
+
+
+# --------------------------------------------------------------------- reductions
+def all_reduce_baselines(ctx: Context, hidden: int, m: int):
+    """NCCL all_reduce and torch symm_mem one_shot_all_reduce of [m, hidden] BF16 (needs a group)."""
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    x = bf16(m, hidden)
+    buffer = symm_mem.empty((m, hidden), dtype=torch.bfloat16, device="cuda")
+    symm_mem.rendezvous(buffer, ctx.group.group_name)
+    buffer.copy_(x)
+
+    def nccl():
+        dist.all_reduce(x, group=ctx.group)
+        return x
+
+    def one_shot():
+        return torch.ops.symm_mem.one_shot_all_reduce(buffer, "sum", ctx.group.group_name)
+
+    return nccl, one_shot
+
+
+def core_suite(ctx: Context, ms: list[int], hidden: int = 4096) -> list[Record]:
+    from mhc_core import LamportAllReduce
+
+    op = LamportAllReduce(hidden_size=hidden, max_num_tokens=max(ms), device="cuda", group=ctx.group)
+    records = []
+    for m in ms:
+        floor = 2 * 2 * m * hidden / ctx.bandwidth  # read x, write the sum
+        x, out = bf16(m, hidden), torch.empty(m, hidden, dtype=torch.bfloat16, device="cuda")
+        records.append(
+            Record("core", ctx.tp, m, "lamport_all_reduce", ctx.time(lambda x=x, out=out: op(x, out=out)), floor)
+        )
+        if ctx.group is not None:
+            nccl, one_shot = all_reduce_baselines(ctx, hidden, m)
+            records.append(Record("core", ctx.tp, m, "nccl all_reduce", ctx.time(nccl), floor))
+            records.append(Record("core", ctx.tp, m, "symm_mem one_shot", ctx.time(one_shot), floor))
+    return records
+
+
+# ------------------------------------------------------------------------ DSV4.1
+def dsv41_suite(ctx: Context, ms: list[int], hidden: int = 5120) -> list[Record]:
+    from mhc_dsv41 import AllReduceMHC
+
+    preset = f"h200-tp{ctx.tp}-h{hidden}"
+    op = AllReduceMHC.from_preset(preset, max_num_tokens=max(ms), device="cuda", group=ctx.group)
+    records = []
+    for m in ms:
+        x, residual = bf16(m, hidden), bf16(m, HC, hidden)
+        post, pre = torch.rand(m, HC, device="cuda") * 2, torch.rand(m, HC, device="cuda")
+        comb = torch.softmax(torch.randn(m, HC, HC, device="cuda"), -1)
+        weight = bf16(hidden)
+        out = (torch.empty_like(residual), torch.empty_like(x))
+        args = (residual, post, comb, pre, weight, 1e-6)
+        nbytes = 2 * m * hidden * (1 + 2 * HC + 1) + 2 * hidden + 4 * m * (2 * HC + HC * HC)
+        floor = nbytes / ctx.bandwidth
+        fused = ctx.time(lambda x=x, args=args, out=out: op(x, *args, out=out))
+        records.append(Record("dsv41", ctx.tp, m, "fused AllReduceMHC", fused, floor))
+        records += _boundary_baselines(ctx, "dsv41", m, hidden, x, args, floor)
+    return records
+
+
+# ----------------------------------------------------------------------- GLM-5.3
+def glm5_inputs(m: int, hidden: int):
+    residual = bf16(m, HC, hidden)
+    post = torch.rand(m, HC, 1, device="cuda") * 2
+    comb = torch.softmax(torch.randn(m, HC, HC, device="cuda"), -1)
+    fn = (torch.randn(MIX, HC * hidden, device="cuda") * 0.02).to(torch.bfloat16)
+    scale = torch.rand(3, device="cuda") + 0.5
+    base = torch.randn(MIX, device="cuda")
+    return residual, post, comb, fn, scale, base, bf16(hidden)
+
+
+def glm5_bytes(m: int, hidden: int) -> int:
+    per_token = 2 * hidden * (1 + 2 * HC + 1) + 4 * (HC + HC * HC) * 2  # x, streams in/out, input; mixes in/out
+    return m * per_token + 2 * MIX * HC * hidden + 2 * hidden + 4 * (3 + MIX)  # fn and weights once
+
+
+def glm5_suite(ctx: Context, ms: list[int], hidden: int = 4096) -> list[Record]:
+    from mhc_glm5 import AllReduceMhcBoundary
+
+    preset = f"h200-tp{ctx.tp}-h{hidden}"
+    op = AllReduceMhcBoundary.from_preset(preset, max_num_tokens=max(ms), device="cuda", group=ctx.group)
+    records = []
+    for m in ms:
+        x = bf16(m, hidden)
+        args = glm5_inputs(m, hidden)
+        floor = glm5_bytes(m, hidden) / ctx.bandwidth
+
+        def fused(x=x, args=args):
+            outputs = op(x, *args)
+            op.join()  # the fused time includes the side-stream mixes
+            return outputs
+
+        label = f"fused AllReduceMhcBoundary (x{op.tokens_per_cluster(m)})"
+        records.append(Record("glm5", ctx.tp, m, label, ctx.time(fused), floor))
+        records += _boundary_baselines(ctx, "glm5", m, hidden, x, args, floor)
+    return records
+
+
+def glm5_thresholds(ctx: Context, ms: list[int], hidden: int = 4096, sizes=(1, 2, 4, 8)) -> list[Record]:
+    """Every tokens-per-cluster size at every M, to choose ``cluster_tokens``."""
+    from mhc_glm5 import AllReduceMhcBoundary, presets
+
+    preset = presets.get(f"h200-tp{ctx.tp}-h{hidden}").PRESET
+    records = []
+    for tokens in sizes:
+        op = AllReduceMhcBoundary(
+            hidden_size=hidden,
+            max_num_tokens=max(ms),
+            rms_eps=preset.rms_eps,
+            hc_eps=preset.hc_eps,
+            post_mult=preset.post_mult,
+            sinkhorn_repeat=preset.sinkhorn_repeat,
+            norm_eps=preset.norm_eps,
+            device="cuda",
+            top_k=preset.top_k,
+            cluster_size=preset.cluster_size,
+            cluster_tokens=[[1, tokens]] if tokens > 1 else None,
+            group=ctx.group,
+        )
+        for m in ms:
+            x, args = bf16(m, hidden), glm5_inputs(m, hidden)
+
+            def fused(op=op, x=x, args=args):
+                outputs = op(x, *args)
+                op.join()
+                return outputs
+
+            floor = glm5_bytes(m, hidden) / ctx.bandwidth
+            records.append(Record("glm5-thresholds", ctx.tp, m, f"x{tokens}", ctx.time(fused), floor))
+    return records
+
+
+# -------------------------------------------------------------------- baselines
+def _boundary_baselines(ctx: Context, model: str, m: int, hidden: int, x, args, floor: float) -> list[Record]:
+    """The unfused boundary (eager and compiled) after the reduction an engine would use."""
+    if model == "dsv41":
+        eager = baselines.dsv41_boundary
+    else:
+        constants = dict(rms_eps=1e-6, hc_eps=1e-6, post_mult=2.0, sinkhorn_repeat=20, norm_eps=1e-5)
+
+        def eager(*a):
+            return baselines.glm5_boundary(*a, **constants)
+
+    compiled = None
+    if ctx.compile_baselines:
+        started = time.perf_counter()
+        compiled_function = baselines.compiled(model)
+        if model == "dsv41":
+            compiled = compiled_function
+        else:
+
+            def compiled(*a):
+                return compiled_function(*a, **constants)
+
+        compiled(x, *args)  # compile (and autotune) outside the timed graph
+        torch.cuda.synchronize()
+        print(f"  [{model} M={m}] torch.compile took {time.perf_counter() - started:.0f} s", flush=True)
+    records = []
+    reductions: dict[str, Callable[[], object] | None] = {"": None}
+    if ctx.group is not None:
+        nccl, one_shot = all_reduce_baselines(ctx, hidden, m)
+        reductions = {"nccl all_reduce + ": nccl, "symm_mem one_shot + ": one_shot}
+    for prefix, reduce in reductions.items():
+        for name, function in (("eager", eager), ("torch.compile", compiled)):
+            if function is None:
+                continue
+
+            def step(function=function, reduce=reduce):
+                reduced = reduce() if reduce is not None else x
+                return function(reduced, *args)
+
+            records.append(Record(model, ctx.tp, m, f"{prefix}{name}", ctx.time(step), floor))
+    return records

@@ -1,0 +1,254 @@
+"""The GLM-5.3 boundary: Lamport all-reduce fused with the whole mHC sublayer boundary
+(the reference's ``_BoundaryDeviceKernel``), one token per cluster, any TP.
+
+One cluster of ``cluster_size`` CTAs per token; a CTA holds ``hidden / 8 /
+cluster_size`` groups of 4 lanes, one group per 16-byte fragment. Lane ``j``:
+
+1. polls ranks ``j, j + 4, ...`` (a lane with no rank adds zero) and the 4 lanes sum
+   them by an xor butterfly: ``x``, the all-reduced output rounded to BF16;
+2. owns stream ``j``: ``s_j = bf16(x * post[j] + sum_i residual[i] * comb[i, j])``,
+   stored as ``residual_out``;
+3. adds its share of the 24-row GEMV ``fn[r, j * hidden + c] * s_j[c]`` and of
+   ``sum s_j^2``; the 25 sums are reduced over the cluster through DSMEM; CTA 0
+   writes the raw mixes ``gemv * rsqrt(sum / (4 hidden) + rms_eps)``;
+4. collapses ``bf16((t0 + t1) + (t2 + t3))`` with ``t_j = s_j * pre_j``,
+   ``pre_j = sigmoid(raw[j] * scale[0] + base[j]) + hc_eps``, and RMS-normalises it
+   after a second, one-value cluster reduction.
+
+``fn`` rows, residual streams, the weight, post and comb are loaded before the PDL
+wait when the kernel right before is the publish (``prefetch``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32
+
+from mhc_core import protocol, ptx, reduce
+from mhc_core.collective import mailbox_params
+from mhc_core.compiler import DeviceKernel
+from mhc_core.constants import VEC_BF16, WARP_SIZE
+from mhc_core.fastmath import sigmoid
+from mhc_core.signature import Param, Ptr, Scalar, Signature, Stream
+
+from .config import HC, MIX, VALUES, boundary_shared_bytes, boundary_threads
+
+
+@dataclass(frozen=True, slots=True)
+class BoundaryConfig:
+    """Compile-time constants of the boundary kernels (rules: ``mhc_glm5.config.GLM5Preset``)."""
+
+    hidden: int
+    tp: int
+    cluster_size: int
+    rms_eps: float
+    hc_eps: float
+    norm_eps: float
+    #: ``fma.rn.f32.bf16`` for the GEMV (sm_100+); else the exact FP32 fallback.
+    mixed_fma: bool
+    #: Tokens per cluster: 1 for ``BoundaryKernel``, more for ``GroupBoundaryKernel``.
+    tokens: int = 1
+
+    @property
+    def fragments(self) -> int:
+        return self.hidden // VEC_BF16
+
+    @property
+    def groups_per_cta(self) -> int:
+        return self.fragments // self.cluster_size
+
+    @property
+    def threads(self) -> int:
+        return boundary_threads(self.hidden, self.cluster_size)
+
+    @property
+    def warps(self) -> int:
+        return self.threads // WARP_SIZE
+
+
+def boundary_signature() -> Signature:
+    return (
+        Param("residual", Ptr(BFloat16)),
+        Param("post", Ptr(Float32, 4)),
+        Param("comb", Ptr(Float32, 4)),
+        Param("fn", Ptr(BFloat16)),
+        Param("scale", Ptr(Float32, 4)),
+        Param("base", Ptr(Float32, 4)),
+        Param("gamma", Ptr(BFloat16)),
+        Param("residual_out", Ptr(BFloat16)),
+        Param("mixes_out", Ptr(Float32, 4)),
+        Param("layer_input", Ptr(BFloat16)),
+        Param("prefetch", Scalar(Int32)),
+        *mailbox_params(),
+        Param("m", Scalar(Int32)),
+        Param("stream", Stream()),
+    )
+
+
+@cute.jit
+def load_fn_rows(fn: cute.Pointer, lane: Int32, column: Int64, hidden: cutlass.Constexpr[int]) -> cute.Tensor:
+    """The 24 ``fn`` fragments this lane multiplies with stream ``lane``: ``[24, 4]`` words."""
+    rows = cute.make_rmem_tensor(cute.make_layout((MIX, 4), stride=(4, 1)), Uint32)
+    for row in cutlass.range_constexpr(MIX):
+        element = Int64(row) * (HC * hidden) + Int64(lane) * hidden + column
+        rows[row, None].store(ptx.load_u32x4(fn.toint() + element * 2))
+    return rows
+
+
+@cute.jit
+def gemv_partials(fn_rows: cute.Tensor, stream: cute.TensorSSA, mixed_fma: cutlass.Constexpr[bool]) -> list:
+    """This fragment's 24 GEMV terms and its sum of squares (25 FP32 values)."""
+    partial = [ptx.dot_bf16x8(fn_rows[row, None].load(), stream, mixed_fma) for row in range(MIX)]
+    partial.append(ptx.dot_bf16x8(stream, stream, mixed_fma))
+    return partial
+
+
+@cute.jit
+def pre_mix(mix: Float32, scale: cute.Pointer, base: cute.Pointer, lane: Int32, hc_eps: Float32) -> Float32:
+    """``sigmoid(raw[j] * scale[0] + base[j]) + hc_eps`` for stream ``j = lane``."""
+    return sigmoid(
+        mix * cute.arch.load(scale.llvm_ptr, Float32) + cute.arch.load((base + lane).llvm_ptr, Float32)
+    ) + hc_eps
+
+
+@cute.jit
+def collapse_streams(stream: cute.TensorSSA, pre: Float32) -> cute.TensorSSA:
+    """``bf16((t0 + t1) + (t2 + t3))``, ``t_j = s_j * pre_j``, over the 4 lanes of a group."""
+    collapse = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
+    collapse.store(ptx.words_to_f32x8(stream) * pre)
+    protocol.sum_over_lanes(collapse, HC)
+    return ptx.f32x8_to_words(collapse.load())
+
+
+class BoundaryKernel(DeviceKernel):
+    name = "boundary"
+    config_type = BoundaryConfig
+
+    def signature(self) -> Signature:
+        return boundary_signature()
+
+    @cute.jit
+    def __call__(
+        self, residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input, prefetch,
+        mailbox, stage_state, capacity, spin_limit_ns, error_flag, m, stream,
+    ):  # fmt: skip
+        config = self.config
+        self.kernel(
+            residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input, prefetch,
+            mailbox, stage_state, capacity, spin_limit_ns, error_flag,
+        ).launch(
+            grid=(m, config.cluster_size, 1),
+            block=(config.threads, 1, 1),
+            cluster=(1, config.cluster_size, 1),
+            smem=boundary_shared_bytes(config.hidden, config.cluster_size),
+            stream=stream,
+            use_pdl=True,
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel(
+        self,
+        residual: cute.Pointer,
+        post: cute.Pointer,
+        comb: cute.Pointer,
+        fn: cute.Pointer,
+        scale: cute.Pointer,
+        base: cute.Pointer,
+        gamma: cute.Pointer,
+        residual_out: cute.Pointer,
+        mixes_out: cute.Pointer,
+        layer_input: cute.Pointer,
+        prefetch: Int32,
+        mailbox: cute.Tensor,
+        stage_state: cute.Tensor,
+        capacity: Int32,
+        spin_limit_ns: Int64,
+        error_flag: Int64,
+    ):
+        config = self.config
+        hidden, tp, cluster = config.hidden, config.tp, config.cluster_size
+        waves = protocol.rank_waves(tp, HC)
+        tidx, _, _ = cute.arch.thread_idx()
+        token, _, _ = cute.arch.block_idx()
+        cluster_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        lane = tidx % HC  # source rank lane while polling, stream afterwards
+        fragment = cluster_rank * config.groups_per_cta + tidx // HC
+        column = Int64(fragment) * VEC_BF16
+
+        if prefetch == Int32(0):
+            cute.arch.griddepcontrol_wait()
+        fn_rows = load_fn_rows(fn, lane, column, hidden)
+        streams = cute.make_rmem_tensor(cute.make_layout((HC, 4), stride=(4, 1)), Uint32)
+        for source in cutlass.range_constexpr(HC):
+            element = (Int64(token) * HC + source) * hidden + column
+            streams[source, None].store(ptx.load_u32x4(residual.toint() + element * 2))
+        gamma_words = ptx.load_u32x4(gamma.toint() + column * 2)
+        post_j = cute.arch.load((post + Int64(token) * HC + Int64(lane)).llvm_ptr, Float32)
+        comb_j = cute.make_rmem_tensor(cute.make_layout((HC,)), Float32)
+        for source in cutlass.range_constexpr(HC):
+            comb_j[source] = cute.arch.load((comb + (Int64(token) * HC + source) * HC + Int64(lane)).llvm_ptr, Float32)
+
+        cute.arch.griddepcontrol_wait()
+        stage = protocol.active_stage(stage_state)
+        kept = cute.make_rmem_tensor(cute.make_layout((1, waves, 4), stride=(waves * 4, 4, 1)), Uint32)
+        mailbox_base = mailbox.iterator.toint()
+        protocol.poll_slots(
+            kept, mailbox_base, stage, token, token, fragment, lane, True, 1, tp, HC, capacity, hidden,
+            spin_limit_ns, error_flag,
+        )  # fmt: skip
+        cute.arch.sync_warp()
+        reduced = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
+        reduced.store(protocol.lane_sum(kept, 0, waves))
+        protocol.sum_over_lanes(reduced, HC)
+        protocol.advance_stage(stage_state, stage, (token == 0) & (cluster_rank == 0) & (tidx == 0))
+        cute.arch.griddepcontrol_launch_dependents()
+        protocol.rearm_slots(mailbox_base, stage, token, token, fragment, lane, True, 1, tp, HC, capacity, hidden)
+
+        # The all-reduced sublayer output is BF16, as the collective returns it.
+        x = reduced.load().to(BFloat16).to(Float32)
+        mixed = x * post_j
+        for source in cutlass.range_constexpr(HC):
+            mixed = mixed + ptx.words_to_f32x8(streams[source, None].load()) * comb_j[source]
+        stream_words = ptx.f32x8_to_words(mixed)
+        output = (Int64(token) * HC + Int64(lane)) * hidden + column
+        ptx.store_u32x4(residual_out.toint() + output * 2, stream_words)
+
+        partials = cute.make_rmem_tensor(cute.make_layout((VALUES,)), Float32)
+        terms = gemv_partials(fn_rows, stream_words, config.mixed_fma)
+        for k in cutlass.range_constexpr(VALUES):
+            partials[k] = terms[k]
+        smem = cutlass.memory.SmemAllocator()
+        warp_sums = smem.allocate_array(Float32, config.warps * VALUES)
+        cluster_sums = smem.allocate_array(Float32, cluster * VALUES)
+        totals = smem.allocate_array(Float32, VALUES)
+        warp_sums2 = smem.allocate_array(Float32, config.warps)
+        cluster_sums2 = smem.allocate_array(Float32, cluster)
+        reduce.block_to_cluster(partials, VALUES, warp_sums, cluster_sums, cluster_rank, config.threads, cluster)
+        if tidx < Int32(VALUES):
+            cute.arch.store((totals + tidx).llvm_ptr, reduce.cluster_total(cluster_sums, tidx, VALUES, cluster))
+        cute.arch.barrier()
+
+        rstd = cute.math.rsqrt(
+            cute.arch.load((totals + MIX).llvm_ptr, Float32) / Float32(HC * hidden) + Float32(config.rms_eps),
+            fastmath=True,
+        )
+        if (cluster_rank == 0) & (tidx < Int32(MIX)):
+            raw = cute.arch.load((totals + tidx).llvm_ptr, Float32) * rstd
+            cute.arch.store((mixes_out + Int64(token) * MIX + Int64(tidx)).llvm_ptr, raw)
+        mix = cute.arch.load((totals + lane).llvm_ptr, Float32) * rstd
+        prenorm_words = collapse_streams(stream_words, pre_mix(mix, scale, base, lane, Float32(config.hc_eps)))
+
+        square = cute.make_rmem_tensor(cute.make_layout((1,)), Float32)
+        square[0] = Float32(0.0)
+        if lane == 0:
+            square[0] = ptx.dot_bf16x8(prenorm_words, prenorm_words, config.mixed_fma)
+        reduce.block_to_cluster(square, 1, warp_sums2, cluster_sums2, cluster_rank, config.threads, cluster)
+        sum_square = reduce.cluster_total(cluster_sums2, 0, 1, cluster)
+        inv_rms = cute.math.rsqrt(sum_square / Float32(hidden) + Float32(config.norm_eps), fastmath=True)
+        if lane == 0:
+            prenorm = ptx.words_to_f32x8(prenorm_words)
+            result = prenorm * inv_rms * ptx.words_to_f32x8(gamma_words)
+            ptx.store_u32x4(layer_input.toint() + (Int64(token) * hidden + column) * 2, ptx.f32x8_to_words(result))

@@ -1,0 +1,240 @@
+"""The grouped GLM-5.3 boundary for large batches (the reference's ``_GroupBoundaryDeviceKernel``).
+
+``tokens`` tokens per cluster share one load of the ``fn`` rows in registers and
+both cluster reductions. Before the PDL wait (when ``prefetch``) every token's
+residual fragments and its post / comb mixes are staged in shared memory; after
+it, every token's slots are polled together (a repeated token reads its slot again
+before any slot is re-armed). A short last group repeats its last token; the
+repeats rewrite the same outputs, and the raw mixes are written once per token.
+
+Per token the math is ``mhc_glm5.boundary``'s, with each lane's 25 GEMV /
+sum-of-squares terms summed over the warp by one reduce-scatter (lane ``i`` ends
+with value ``i``): a different FP32 order than the one-token kernel, so a token's
+raw mixes may differ between the two by a few FP32 ulps of the terms.
+
+Shared memory (``mhc_glm5.config.grouped_shared_bytes``) passes 48 KB from about 9
+tokens per cluster at hidden 4096; the DSL opts every kernel into the device's
+maximum dynamic shared memory.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint32
+
+from mhc_core import protocol, ptx, reduce
+from mhc_core.compiler import DeviceKernel
+from mhc_core.constants import VEC_BF16, WARP_SIZE
+from mhc_core.signature import Signature
+
+from .boundary import BoundaryConfig, boundary_signature, collapse_streams, gemv_partials, load_fn_rows, pre_mix
+from .config import HC, MIX, MIX_INPUTS, VALUES, grouped_shared_bytes
+
+
+class GroupBoundaryKernel(DeviceKernel):
+    name = "boundary_grouped"
+    config_type = BoundaryConfig
+
+    def __init__(self, config: BoundaryConfig) -> None:
+        if config.tokens < 2:
+            raise ValueError(f"tokens: expected >= 2 for the grouped boundary, got {config.tokens}")
+        if VALUES > WARP_SIZE:
+            raise ValueError("the 25 reduced values must fit one warp reduce-scatter")
+        super().__init__(config)
+
+    def signature(self) -> Signature:
+        return boundary_signature()
+
+    @cute.jit
+    def __call__(
+        self, residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input, prefetch,
+        mailbox, stage_state, capacity, spin_limit_ns, error_flag, m, stream,
+    ):  # fmt: skip
+        config = self.config
+        self.kernel(
+            residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input, prefetch,
+            mailbox, stage_state, capacity, spin_limit_ns, error_flag, m,
+        ).launch(
+            grid=((m + config.tokens - 1) // config.tokens, config.cluster_size, 1),
+            block=(config.threads, 1, 1),
+            cluster=(1, config.cluster_size, 1),
+            smem=grouped_shared_bytes(config.hidden, config.cluster_size, config.tokens),
+            stream=stream,
+            use_pdl=True,
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel(
+        self,
+        residual: cute.Pointer,
+        post: cute.Pointer,
+        comb: cute.Pointer,
+        fn: cute.Pointer,
+        scale: cute.Pointer,
+        base: cute.Pointer,
+        gamma: cute.Pointer,
+        residual_out: cute.Pointer,
+        mixes_out: cute.Pointer,
+        layer_input: cute.Pointer,
+        prefetch: Int32,
+        mailbox: cute.Tensor,
+        stage_state: cute.Tensor,
+        capacity: Int32,
+        spin_limit_ns: Int64,
+        error_flag: Int64,
+        m: Int32,
+    ):
+        config = self.config
+        hidden, tp, cluster, tokens = config.hidden, config.tp, config.cluster_size, config.tokens
+        groups, warps, threads = config.groups_per_cta, config.warps, config.threads
+        waves = protocol.rank_waves(tp, HC)
+        tidx, _, _ = cute.arch.thread_idx()
+        group, _, _ = cute.arch.block_idx()
+        cluster_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        warp = cute.arch.warp_idx()
+        lane = tidx % HC  # source rank lane while polling, stream afterwards
+        local = tidx // HC
+        fragment = cluster_rank * groups + local
+        column = Int64(fragment) * VEC_BF16
+        first = group * tokens
+        last = m - 1
+
+        smem = cutlass.memory.SmemAllocator()
+        staged = smem.allocate_array(Uint32, tokens * HC * groups * 4, byte_alignment=16)
+        mix_inputs = smem.allocate_array(Float32, tokens * MIX_INPUTS)
+        warp_sums = smem.allocate_array(Float32, tokens * warps * VALUES)
+        cluster_sums = smem.allocate_array(Float32, tokens * cluster * VALUES)
+        totals = smem.allocate_array(Float32, tokens * VALUES)
+        warp_sums2 = smem.allocate_array(Float32, tokens * warps)
+        cluster_sums2 = smem.allocate_array(Float32, tokens * cluster)
+
+        if prefetch == Int32(0):
+            cute.arch.griddepcontrol_wait()
+        fn_rows = load_fn_rows(fn, lane, column, hidden)
+        gamma_words = ptx.load_u32x4(gamma.toint() + column * 2)
+        for t in cutlass.range_constexpr(tokens):
+            token = cutlass.min(first + t, last)
+            element = (Int64(token) * HC + Int64(lane)) * hidden + column
+            ptx.store_shared_u32x4(
+                staged + ((t * HC + lane) * groups + local) * 4, ptx.load_u32x4(residual.toint() + element * 2)
+            )
+        for trip in cutlass.range_constexpr(-(-(tokens * MIX_INPUTS) // threads)):
+            index = tidx + trip * threads
+            if index < Int32(tokens * MIX_INPUTS):
+                t = index // MIX_INPUTS
+                j = index % MIX_INPUTS
+                row = Int64(cutlass.min(first + t, last))
+                value = Float32(0.0)
+                if j < Int32(HC):
+                    value = cute.arch.load((post + row * HC + Int64(j)).llvm_ptr, Float32)
+                else:
+                    value = cute.arch.load((comb + row * (HC * HC) + Int64(j - HC)).llvm_ptr, Float32)
+                cute.arch.store((mix_inputs + index).llvm_ptr, value)
+        cute.arch.barrier()
+
+        cute.arch.griddepcontrol_wait()
+        stage = protocol.active_stage(stage_state)
+        kept = cute.make_rmem_tensor(cute.make_layout((tokens, waves, 4), stride=(waves * 4, 4, 1)), Uint32)
+        mailbox_base = mailbox.iterator.toint()
+        protocol.poll_slots(
+            kept, mailbox_base, stage, first, last, fragment, lane, True, tokens, tp, HC, capacity, hidden,
+            spin_limit_ns, error_flag,
+        )  # fmt: skip
+        # Lanes leave the poll at different times; the shuffles below need the warp converged.
+        cute.arch.sync_warp()
+        reduced = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
+        for t in cutlass.range_constexpr(tokens):
+            reduced.store(protocol.lane_sum(kept, t, waves))
+            protocol.sum_over_lanes(reduced, HC)
+            # The all-reduced sublayer output is BF16, as the collective returns it.
+            kept[t, 0, None].store(ptx.f32x8_to_words(reduced.load()))
+        protocol.advance_stage(stage_state, stage, (group == 0) & (cluster_rank == 0) & (tidx == 0))
+        cute.arch.griddepcontrol_launch_dependents()
+        protocol.rearm_slots(mailbox_base, stage, first, last, fragment, lane, True, tokens, tp, HC, capacity, hidden)
+
+        for t in cutlass.range_constexpr(tokens):
+            token = cutlass.min(first + t, last)
+            inputs = mix_inputs + t * MIX_INPUTS
+            mixed = ptx.words_to_f32x8(kept[t, 0, None].load()) * cute.arch.load((inputs + lane).llvm_ptr, Float32)
+            for source in cutlass.range_constexpr(HC):
+                words = ptx.load_shared_u32x4(staged + ((t * HC + source) * groups + local) * 4)
+                mixed = mixed + ptx.words_to_f32x8(words) * cute.arch.load(
+                    (inputs + HC + source * HC + lane).llvm_ptr, Float32
+                )
+            stream_words = ptx.f32x8_to_words(mixed)
+            kept[t, 0, None].store(stream_words)
+            output = (Int64(token) * HC + Int64(lane)) * hidden + column
+            ptx.store_u32x4(residual_out.toint() + output * 2, stream_words)
+            partial = gemv_partials(fn_rows, stream_words, config.mixed_fma)
+            for _ in cutlass.range_constexpr(WARP_SIZE - VALUES):
+                partial.append(Float32(0.0))
+            total = reduce.warp_reduce_scatter(partial)
+            if cute.arch.lane_idx() < Int32(VALUES):
+                slot = warp_sums + (t * warps + warp) * VALUES + cute.arch.lane_idx()
+                cute.arch.store(slot.llvm_ptr, total)
+        cute.arch.barrier()
+
+        # Every CTA's per-token sums into every peer's slot, then the totals.
+        pairs = tokens * VALUES
+        for trip in cutlass.range_constexpr(-(-pairs // threads)):
+            index = tidx + trip * threads
+            if index < Int32(pairs):
+                t = index // VALUES
+                v = index % VALUES
+                total = Float32(0.0)
+                for w in cutlass.range_constexpr(warps):
+                    total = total + cute.arch.load((warp_sums + (t * warps + w) * VALUES + v).llvm_ptr, Float32)
+                for peer in cutlass.range_constexpr(cluster):
+                    ptx.store_to_peer_f32(cluster_sums + (t * cluster + cluster_rank) * VALUES + v, Int32(peer), total)
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        for trip in cutlass.range_constexpr(-(-pairs // threads)):
+            index = tidx + trip * threads
+            if index < Int32(pairs):
+                t = index // VALUES
+                v = index % VALUES
+                cute.arch.store(
+                    (totals + index).llvm_ptr, reduce.cluster_total(cluster_sums + t * cluster * VALUES, v, VALUES, cluster)
+                )
+        cute.arch.barrier()
+
+        hc_eps = Float32(config.hc_eps)
+        for t in cutlass.range_constexpr(tokens):
+            rstd = cute.math.rsqrt(
+                cute.arch.load((totals + t * VALUES + MIX).llvm_ptr, Float32) / Float32(HC * hidden)
+                + Float32(config.rms_eps),
+                fastmath=True,
+            )
+            if (cluster_rank == 0) & (tidx < Int32(MIX)) & (first + t <= last):
+                raw = cute.arch.load((totals + t * VALUES + tidx).llvm_ptr, Float32) * rstd
+                cute.arch.store((mixes_out + Int64(first + t) * MIX + Int64(tidx)).llvm_ptr, raw)
+            mix = cute.arch.load((totals + t * VALUES + lane).llvm_ptr, Float32) * rstd
+            prenorm_words = collapse_streams(kept[t, 0, None].load(), pre_mix(mix, scale, base, lane, hc_eps))
+            kept[t, 0, None].store(prenorm_words)
+            square = Float32(0.0)
+            if lane == 0:
+                square = ptx.dot_bf16x8(prenorm_words, prenorm_words, config.mixed_fma)
+            square = reduce.warp_sum(square)
+            if cute.arch.lane_idx() == 0:
+                cute.arch.store((warp_sums2 + t * warps + warp).llvm_ptr, square)
+        cute.arch.barrier()
+        if tidx < Int32(tokens * cluster):
+            t = tidx // cluster
+            peer = tidx % cluster
+            total = Float32(0.0)
+            for w in cutlass.range_constexpr(warps):
+                total = total + cute.arch.load((warp_sums2 + t * warps + w).llvm_ptr, Float32)
+            ptx.store_to_peer_f32(cluster_sums2 + t * cluster + cluster_rank, peer, total)
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+
+        if lane == 0:
+            weight = ptx.words_to_f32x8(gamma_words)
+            for t in cutlass.range_constexpr(tokens):
+                token = cutlass.min(first + t, last)
+                sum_square = reduce.cluster_total(cluster_sums2 + t * cluster, 0, 1, cluster)
+                inv_rms = cute.math.rsqrt(sum_square / Float32(hidden) + Float32(config.norm_eps), fastmath=True)
+                result = ptx.words_to_f32x8(kept[t, 0, None].load()) * inv_rms * weight
+                ptx.store_u32x4(layer_input.toint() + (Int64(token) * hidden + column) * 2, ptx.f32x8_to_words(result))
+

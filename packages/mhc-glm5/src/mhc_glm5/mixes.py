@@ -1,0 +1,87 @@
+"""The side-stream mixes kernel (the reference's ``_MixesDeviceKernel``): one thread per token
+turns a boundary's raw mixes into the next boundary's post-mix and residual mix.
+
+``post_out[j] = sigmoid(raw[4 + j] * scale[1] + base[4 + j]) * post_mult`` and
+``comb_out = sinkhorn(raw[8 + k] * scale[2] + base[8 + k], k = 0..15)``
+(``mhc_core.sinkhorn``). The grid has ``ceil(M / threads)`` CTAs: no one-CTA limit
+on ``max_num_tokens``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+from mhc_core.compiler import DeviceKernel
+from mhc_core.fastmath import sigmoid
+from mhc_core.signature import Param, Ptr, Scalar, Signature, Stream
+from mhc_core.sinkhorn import sinkhorn4
+
+from .config import HC, MIX
+
+
+@dataclass(frozen=True, slots=True)
+class MixesConfig:
+    hc_eps: float
+    post_mult: float
+    sinkhorn_repeat: int
+    threads: int = 128
+
+
+class MixesKernel(DeviceKernel):
+    name = "mixes"
+    config_type = MixesConfig
+
+    def signature(self) -> Signature:
+        return (
+            Param("mixes", Ptr(Float32, 4)),
+            Param("scale", Ptr(Float32, 4)),
+            Param("base", Ptr(Float32, 4)),
+            Param("post_out", Ptr(Float32, 4)),
+            Param("comb_out", Ptr(Float32, 4)),
+            Param("m", Scalar(Int32)),
+            Param("stream", Stream()),
+        )
+
+    @cute.jit
+    def __call__(self, mixes, scale, base, post_out, comb_out, m, stream):
+        threads = self.config.threads
+        self.kernel(mixes, scale, base, post_out, comb_out, m).launch(
+            grid=((m + threads - 1) // threads, 1, 1), block=(threads, 1, 1), stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mixes: cute.Pointer,
+        scale: cute.Pointer,
+        base: cute.Pointer,
+        post_out: cute.Pointer,
+        comb_out: cute.Pointer,
+        m: Int32,
+    ):
+        config = self.config
+        tidx, _, _ = cute.arch.thread_idx()
+        block, _, _ = cute.arch.block_idx()
+        token = block * config.threads + tidx
+        if token < m:
+            row = mixes + Int64(token) * MIX
+            post_scale = cute.arch.load((scale + 1).llvm_ptr, Float32)
+            for j in cutlass.range_constexpr(HC):
+                logit = cute.arch.load((row + HC + j).llvm_ptr, Float32) * post_scale + cute.arch.load(
+                    (base + HC + j).llvm_ptr, Float32
+                )
+                value = sigmoid(logit) * Float32(config.post_mult)
+                cute.arch.store((post_out + Int64(token) * HC + j).llvm_ptr, value)
+            comb_scale = cute.arch.load((scale + 2).llvm_ptr, Float32)
+            logits = [
+                cute.arch.load((row + 2 * HC + k).llvm_ptr, Float32) * comb_scale
+                + cute.arch.load((base + 2 * HC + k).llvm_ptr, Float32)
+                for k in range(HC * HC)
+            ]
+            mix = sinkhorn4(logits, Float32(config.hc_eps), config.sinkhorn_repeat)
+            for k in cutlass.range_constexpr(HC * HC):
+                cute.arch.store((comb_out + Int64(token) * HC * HC + k).llvm_ptr, mix[k])

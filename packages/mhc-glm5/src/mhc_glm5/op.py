@@ -1,0 +1,337 @@
+"""``AllReduceMhcBoundary``: GLM-5.3-Flash's TP all-reduce fused with the whole mHC boundary.
+
+Per call: a publish and the boundary on the current stream, PDL-chained (the
+publish lets the boundary launch right after its wait, before its stores: the
+boundary reads the mailbox only after its own wait), and the mixes kernel on a
+side stream. ``post_out`` / ``comb_out`` are complete only after ``join()``; the
+next call joins first. The raw mixes the side kernel reads live in a buffer the
+op owns, so they outlive it.
+
+Inside CUDA-graph capture, call ``join()`` before the capture ends, so the side
+stream rejoins the captured one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from mhc_core.moe import MoEOutput
+from mhc_core.op import LamportOp, Plan, optional_output
+from mhc_core.publish import TRIGGER_AFTER_WAIT
+from mhc_core.signature import BoundKernel
+from mhc_core.validation import check_int, check_tensor
+
+from .boundary import BoundaryConfig, BoundaryKernel
+from .config import HC, MIX, GLM5Preset, thresholds_from_mapping
+from .grouped import GroupBoundaryKernel
+from .mixes import MixesConfig, MixesKernel
+
+Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class AllReduceMhcBoundary(LamportOp):
+    """``tensor_model_parallel_all_reduce`` + ``hc_fused_post_pre`` for up to ``max_num_tokens`` tokens.
+
+    Two kernels on the current stream and one on a side stream; construction is
+    collective over ``group`` (None: tp = 1; a process group; a ``LoopbackGroup``
+    rank). One instance serves every boundary of the model, called one after
+    another.
+
+    Args:
+        hidden_size, max_num_tokens, rms_eps, hc_eps, post_mult, sinkhorn_repeat,
+            norm_eps, device, top_k, cluster_size: as the reference.
+        cluster_tokens: ``[(min_tokens, tokens_per_cluster), ...]`` thresholds
+            (M >= threshold -> tokens per cluster; 1 below the first); the
+            reference's exact ``{M: tokens}`` mapping is accepted and converted.
+        group, transport, spin_timeout_ms, check_routes: as ``mhc_core.LamportOp``.
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        max_num_tokens: int,
+        rms_eps: float,
+        hc_eps: float,
+        post_mult: float,
+        sinkhorn_repeat: int,
+        norm_eps: float,
+        device: torch.device | str | int,
+        top_k: int,
+        cluster_size: int = 8,
+        cluster_tokens: Sequence[Sequence[int]] | Mapping[int, int] | None = None,
+        group: Any = None,
+        transport: str | None = None,
+        publish_threads: int = 128,
+        mixes_threads: int = 128,
+        spin_timeout_ms: float | None = None,
+        check_routes: bool = False,
+    ) -> None:
+        check_int("top_k", top_k, minimum=1)
+        super().__init__(
+            hidden_size=hidden_size,
+            max_num_tokens=max_num_tokens,
+            device=device,
+            group=group,
+            transport=transport,
+            top_k=top_k,
+            publish_trigger=TRIGGER_AFTER_WAIT,
+            publish_threads=publish_threads,
+            spin_timeout_ms=spin_timeout_ms,
+            check_routes=check_routes,
+        )
+        if isinstance(cluster_tokens, Mapping):
+            cluster_tokens = thresholds_from_mapping(cluster_tokens)
+        # Every hidden / cluster rule the presets obey, checked the same way.
+        self.preset = GLM5Preset(
+            name="custom",
+            hidden=hidden_size,
+            hc=HC,
+            tp=self.tp,
+            top_k=top_k,
+            cluster_size=cluster_size,
+            cluster_tokens=tuple(tuple(entry) for entry in (cluster_tokens or ())),
+            rms_eps=rms_eps,
+            hc_eps=hc_eps,
+            post_mult=post_mult,
+            sinkhorn_repeat=sinkhorn_repeat,
+            norm_eps=norm_eps,
+            archs=(self.arch,),
+            publish_threads=publish_threads,
+            mixes_threads=mixes_threads,
+        )
+        self.cluster_tokens = self.preset.cluster_tokens
+        config = BoundaryConfig(**self.preset.boundary_config(self.arch))
+        self._boundary_kernels = {1: self._compile(BoundaryKernel(config))}
+        for tokens in self.preset.grouped_sizes:
+            grouped = BoundaryConfig(**self.preset.boundary_config(self.arch), tokens=tokens)
+            self._boundary_kernels[tokens] = self._compile(GroupBoundaryKernel(grouped))
+        mixes = MixesConfig(
+            hc_eps=hc_eps, post_mult=post_mult, sinkhorn_repeat=sinkhorn_repeat, threads=mixes_threads
+        )
+        self._mixes_kernel = self._compile(MixesKernel(mixes))
+        self._raw_mixes = torch.empty(self.capacity, MIX, dtype=torch.float32, device=self.device)
+        self._side = torch.cuda.Stream(self.device)
+        self._pending: torch.cuda.Event | None = None
+        self._setup()
+
+    @classmethod
+    def from_config(
+        cls,
+        preset: GLM5Preset,
+        *,
+        max_num_tokens: int,
+        device: torch.device | str | int,
+        group: Any = None,
+        **options: Any,
+    ) -> AllReduceMhcBoundary:
+        """An op with a preset's constants and geometry; the group's size must be the preset's tp."""
+        op = cls(
+            hidden_size=preset.hidden,
+            max_num_tokens=max_num_tokens,
+            rms_eps=preset.rms_eps,
+            hc_eps=preset.hc_eps,
+            post_mult=preset.post_mult,
+            sinkhorn_repeat=preset.sinkhorn_repeat,
+            norm_eps=preset.norm_eps,
+            device=device,
+            top_k=preset.top_k,
+            cluster_size=preset.cluster_size,
+            cluster_tokens=preset.cluster_tokens,
+            group=group,
+            publish_threads=preset.publish_threads,
+            mixes_threads=preset.mixes_threads,
+            **options,
+        )
+        if op.tp != preset.tp:
+            raise ValueError(f"group: preset {preset.name!r} is for tp = {preset.tp}, the group has tp = {op.tp}")
+        return op
+
+    @classmethod
+    def from_preset(
+        cls, name: str, *, max_num_tokens: int, device: torch.device | str | int, group: Any = None, **options: Any
+    ) -> AllReduceMhcBoundary:
+        """An op built from a generated preset (``mhc_glm5.presets.names()`` lists them)."""
+        from .presets import get
+
+        return cls.from_config(get(name).PRESET, max_num_tokens=max_num_tokens, device=device, group=group, **options)
+
+    # ------------------------------------------------------------ side stream
+    def supports(self, tokens: int) -> bool:
+        return 1 <= tokens <= self.capacity
+
+    def join(self) -> None:
+        """Make the current stream wait for the last mixes kernel (post_out / comb_out complete)."""
+        if self._pending is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._pending)
+            self._pending = None
+
+    @property
+    def raw_mixes(self) -> torch.Tensor:
+        """``[max_num_tokens, 24]`` FP32: rows ``[:M]`` hold the last call's raw mixes (after ``join()``)."""
+        return self._raw_mixes
+
+    def tokens_per_cluster(self, m: int) -> int:
+        """The boundary kernel ``__call__`` picks for M tokens (``cluster_tokens`` thresholds)."""
+        return self.preset.tokens_per_cluster(m)
+
+    # ----------------------------------------------------------- collective
+    def _bind_collectives(self) -> None:
+        fixed = self._collective_fixed()
+        self._boundaries: dict[int, BoundKernel] = {
+            tokens: self._bind(kernel, fixed) for tokens, kernel in self._boundary_kernels.items()
+        }
+        self._mixes = self._bind(self._mixes_kernel, {})
+
+    def _warmup_collects(self) -> list[Callable[[bool], Any]]:
+        hidden, device = self.hidden_size, self.device
+        residual = torch.zeros(1, HC, hidden, dtype=torch.bfloat16, device=device)
+        post = torch.zeros(1, HC, 1, dtype=torch.float32, device=device)
+        comb = torch.zeros(1, HC, HC, dtype=torch.float32, device=device)
+        fn = torch.zeros(MIX, HC * hidden, dtype=torch.bfloat16, device=device)
+        scale = torch.ones(3, dtype=torch.float32, device=device)
+        base = torch.zeros(MIX, dtype=torch.float32, device=device)
+        weight = torch.ones(hidden, dtype=torch.bfloat16, device=device)
+        return [
+            self._prepare_collect(1, residual, post, comb, fn, scale, base, weight, None, tokens=tokens)
+            for tokens in self._boundaries
+        ]
+
+    def _prepare_collect(
+        self,
+        m: int,
+        residual: torch.Tensor,
+        post: torch.Tensor,
+        comb: torch.Tensor,
+        fn: torch.Tensor,
+        scale: torch.Tensor,
+        base: torch.Tensor,
+        norm_weight: torch.Tensor,
+        out: Sequence[torch.Tensor] | None,
+        tokens: int | None = None,
+    ) -> Callable[[bool], Outputs]:
+        """Validate every boundary input for M tokens; return the launch (boundary, then side mixes)."""
+        hidden, device = self.hidden_size, self.device
+        check_tensor("residual", residual, shape=(m, HC, hidden), dtype=torch.bfloat16, device=device)
+        check_tensor("post", post, shape=[(m, HC, 1), (m, HC)], dtype=torch.float32, device=device, align=4)
+        check_tensor("comb", comb, shape=(m, HC, HC), dtype=torch.float32, device=device, align=4)
+        check_tensor("fn", fn, shape=(MIX, HC * hidden), dtype=torch.bfloat16, device=device)
+        check_tensor("scale", scale, shape=(3,), dtype=torch.float32, device=device, align=4)
+        check_tensor("base", base, shape=(MIX,), dtype=torch.float32, device=device, align=4)
+        check_tensor("norm_weight", norm_weight, shape=(hidden,), dtype=torch.bfloat16, device=device)
+        if out is not None and (not isinstance(out, (tuple, list)) or len(out) != 4):
+            raise TypeError("out: expected a (residual_out, post_out, comb_out, layer_input) tuple of tensors")
+        given = list(out) if out is not None else [None] * 4
+        residual_out = optional_output("out[0] (residual_out)", given[0], (m, HC, hidden), torch.bfloat16, device)
+        post_out = optional_output("out[1] (post_out)", given[1], (m, HC, 1), torch.float32, device)
+        comb_out = optional_output("out[2] (comb_out)", given[2], (m, HC, HC), torch.float32, device)
+        layer_input = optional_output("out[3] (layer_input)", given[3], (m, hidden), torch.bfloat16, device)
+        boundary = self._boundaries[tokens if tokens is not None else self.tokens_per_cluster(m)]
+
+        def collect(after_publish: bool) -> Outputs:
+            # The previous mixes kernel still reads the raw-mixes buffer until joined.
+            self.join()
+            boundary(
+                residual=residual,
+                post=post,
+                comb=comb,
+                fn=fn,
+                scale=scale,
+                base=base,
+                gamma=norm_weight,
+                residual_out=residual_out,
+                mixes_out=self._raw_mixes,
+                layer_input=layer_input,
+                prefetch=int(after_publish),
+                m=m,
+            )
+            current = torch.cuda.current_stream(device)
+            self._side.wait_stream(current)
+            with torch.cuda.stream(self._side):
+                self._mixes(mixes=self._raw_mixes, scale=scale, base=base, post_out=post_out, comb_out=comb_out, m=m)
+                self._pending = torch.cuda.Event()
+                self._pending.record(self._side)
+            if not torch.cuda.is_current_stream_capturing():
+                # The side kernel uses these after the current stream may have freed them.
+                for tensor in (post_out, comb_out, scale, base):
+                    tensor.record_stream(self._side)
+            return residual_out, post_out, comb_out, layer_input
+
+        return collect
+
+    # ------------------------------------------------------------ public API
+    def _plan_call(
+        self,
+        x: torch.Tensor | MoEOutput,
+        residual: torch.Tensor,
+        post: torch.Tensor,
+        comb: torch.Tensor,
+        fn: torch.Tensor,
+        scale: torch.Tensor,
+        base: torch.Tensor,
+        norm_weight: torch.Tensor,
+        *,
+        out: Sequence[torch.Tensor] | None = None,
+    ) -> Plan:
+        m, publish = self._prepare_publish(x)
+        return Plan(m, publish, self._prepare_collect(m, residual, post, comb, fn, scale, base, norm_weight, out))
+
+    def __call__(
+        self,
+        x: torch.Tensor | MoEOutput,
+        residual: torch.Tensor,
+        post: torch.Tensor,
+        comb: torch.Tensor,
+        fn: torch.Tensor,
+        scale: torch.Tensor,
+        base: torch.Tensor,
+        norm_weight: torch.Tensor,
+        *,
+        out: Sequence[torch.Tensor] | None = None,
+    ) -> Outputs:
+        """Return ``(residual_out [M, 4, hidden] BF16, post_out [M, 4, 1] FP32, comb_out [M, 4, 4] FP32,
+        layer_input [M, hidden] BF16)`` of ``hc_fused_post_pre`` applied to the TP sum of ``x``.
+
+        Args:
+            x: [M, hidden] BF16 TP-partial sublayer output, or a ``MoEOutput`` whose
+                routed top-k reduction is still open (FP32 or BF16 routing weights).
+            residual: [M, 4, hidden] BF16 residual streams.
+            post: [M, 4, 1] (or [M, 4]) FP32 post-mix.
+            comb: [M, 4, 4] FP32 residual mix, indexed [source, target].
+            fn: [24, 4 * hidden] BF16 prenorm GEMV weight.
+            scale: [3] FP32 mix scales. base: [24] FP32 mix biases.
+            norm_weight: [hidden] BF16 RMSNorm weight.
+            out: optional preallocated outputs, in the order returned.
+
+        ``post_out`` and ``comb_out`` are written on a side stream: complete after ``join()``.
+        """
+        return self._run(self.plan("call", x, residual, post, comb, fn, scale, base, norm_weight, out=out))
+
+    def collect(
+        self,
+        residual: torch.Tensor,
+        post: torch.Tensor,
+        comb: torch.Tensor,
+        fn: torch.Tensor,
+        scale: torch.Tensor,
+        base: torch.Tensor,
+        norm_weight: torch.Tensor,
+        *,
+        out: Sequence[torch.Tensor] | None = None,
+        after_publish: bool = False,
+    ) -> Outputs:
+        """Phase two, for the pending ``publish``; ``after_publish=True`` promises the kernel
+        right before on this stream is that publish."""
+        return self._collect_pending(
+            lambda m: self._prepare_collect(m, residual, post, comb, fn, scale, base, norm_weight, out),
+            after_publish,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"AllReduceMhcBoundary(cluster_size={self.preset.cluster_size}, threads={self.preset.threads}, "
+            f"cluster_tokens={list(self.cluster_tokens)}, {self._describe()})"
+        )

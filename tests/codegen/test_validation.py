@@ -1,0 +1,306 @@
+"""A bad preset stops codegen before anything is written, with a message naming file, table, key, rule and value.
+
+Each case changes one key of a real table (a copy of the repo's presets.toml) and also
+changes a good table's description, so a run that wrote anything would show it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from codegen import main
+from tests.codegen.support import make_root, repo_presets, snapshot, write_presets
+
+DSV = "dsv41.gb300-tp4-h5120"  # explicit geometry: hidden 5120, hc 4, tp 4, 5 x 128 threads, 1 lane
+DSV_DEFAULTS = "dsv41.h200-tp4-h5120"  # geometry left to default_geometry
+GLM = "glm5.h200-tp4-h4096"  # hidden 4096, tp 4, cluster 8 (256 threads), [[64, 4], [256, 8]]
+DELETE = object()
+
+ARCHS = "('sm_90a', 'sm_100a', 'sm_103a')"
+DSV_KEYS = "hidden, hc, tp, top_k, cluster_size, threads, rank_lanes, norm_eps, archs, publish_threads, description"
+GLM_KEYS = (
+    "hidden, hc, tp, top_k, cluster_size, cluster_tokens, rms_eps, hc_eps, post_mult, sinkhorn_repeat, "
+    "norm_eps, archs, publish_threads, mixes_threads, description"
+)
+
+# (preset, changed keys, message after "presets.toml: [preset] ")
+CASES: dict[str, tuple[str, dict[str, Any], str]] = {
+    # ------------------------------------------------------------------ DSV4.1
+    "dsv-hidden-multiple-of-8": (
+        DSV,
+        {"hidden": 5124},
+        "key 'hidden': must be a multiple of 8 (16-byte fragments); got 5124",
+    ),
+    "dsv-hidden-defaulted-geometry": (
+        DSV_DEFAULTS,
+        {"hidden": 5124},
+        "key 'hidden': must be a multiple of 8 (16-byte fragments); got 5124",
+    ),
+    "dsv-tp-allowed": (DSV, {"tp": 3}, "key 'tp': must be one of (1, 2, 4, 8); got 3"),
+    "dsv-rank-lanes-allowed": (DSV, {"rank_lanes": 3}, "key 'rank_lanes': must be 1, 2, 4 or 8; got 3"),
+    "dsv-rank-lanes-divide-tp": (DSV, {"rank_lanes": 8}, "key 'rank_lanes': must divide tp (4); got 8"),
+    "dsv-threads-multiple-of-32": (
+        DSV,
+        {"threads": 100},
+        "key 'threads': must be a multiple of 32 (whole warps); got 100",
+    ),
+    "dsv-threads-at-most-1024": (DSV, {"threads": 2048}, "key 'threads': must be <= 1024; got 2048"),
+    "dsv-publish-threads-multiple-of-32": (
+        DSV,
+        {"publish_threads": 96 + 16},
+        "key 'publish_threads': must be a multiple of 32 (whole warps); got 112",
+    ),
+    "dsv-trips-times-hc": (
+        DSV,
+        {"hidden": 7168, "hc": 16},
+        "key 'cluster_size': trips x hc must be <= 16 (each trip keeps hc residual fragments in registers); "
+        "trips = 2, hc = 16; got 5",
+    ),
+    "dsv-archs-unknown": (
+        DSV,
+        {"archs": ["sm_103a", "sm_80"]},
+        f"key 'archs': must be among {ARCHS}; got ('sm_103a', 'sm_80')",
+    ),
+    "dsv-archs-empty": (DSV, {"archs": []}, "key 'archs': must be a non-empty list of arch names; got ()"),
+    "dsv-eps-zero": (DSV, {"norm_eps": 0.0}, "key 'norm_eps': must be a finite number > 0; got 0.0"),
+    "dsv-eps-negative": (DSV, {"norm_eps": -1e-6}, "key 'norm_eps': must be a finite number > 0; got -1e-06"),
+    "dsv-unknown-key": (
+        DSV,
+        {"rank_lane": 2},
+        f"key 'rank_lane': is not a DSV41Preset key (expected one of {DSV_KEYS}); got 2",
+    ),
+    "dsv-name-is-not-a-key": (DSV, {"name": "x"}, "key 'name': is the table name, not a key; got 'x'"),
+    "dsv-missing-key": (DSV, {"top_k": DELETE}, "key 'top_k': is required; missing"),
+    "dsv-integer-type": (DSV, {"tp": "4"}, "key 'tp': must be one of (1, 2, 4, 8); got '4'"),
+    "dsv-description-type": (DSV, {"description": 5}, "key 'description': must be a string; got 5"),
+    # ------------------------------------------------------------------- GLM-5
+    "glm-hidden-multiple-of-8": (
+        GLM,
+        {"hidden": 4100},
+        "key 'hidden': must be a multiple of 8 (16-byte fragments); got 4100",
+    ),
+    "glm-tp-allowed": (GLM, {"tp": 6}, "key 'tp': must be one of (1, 2, 4, 8); got 6"),
+    "glm-hc-four": (
+        GLM,
+        {"hc": 8},
+        "key 'hc': must be 4 (one lane per residual stream in the GLM kernels); got 8",
+    ),
+    "glm-fragments-divisible-by-cluster": (
+        GLM,
+        {"cluster_size": 3},
+        "key 'cluster_size': must divide the 512 fragments of hidden = 4096 evenly; got 3",
+    ),
+    "glm-threads-multiple-of-32": (
+        GLM,
+        {"hidden": 4160},  # 520 fragments / 8 = 65 groups = 260 threads
+        "key 'cluster_size': threads = hidden / 8 / cluster_size * 4 = 260 must be a multiple of 32 and <= 1024; got 8",
+    ),
+    "glm-threads-at-most-1024": (
+        GLM,
+        {"cluster_size": 1},  # 512 groups = 2048 threads
+        "key 'cluster_size': threads = hidden / 8 / cluster_size * 4 = 2048 must be a multiple of 32 and <= 1024; "
+        "got 1",
+    ),
+    "glm-threads-25-per-peer": (
+        GLM,
+        {"hidden": 1024},  # 128 fragments / 8 = 16 groups = 64 threads < 25 x 8
+        "key 'cluster_size': threads = 64 must be >= 25 x cluster_size (one thread per reduced value and peer); got 8",
+    ),
+    "glm-cluster-tokens-malformed": (
+        GLM,
+        {"cluster_tokens": [[64]]},
+        "key 'cluster_tokens': each entry must be a [min_tokens, tokens_per_cluster] pair of integers; got (64,)",
+    ),
+    "glm-cluster-tokens-not-a-list": (
+        GLM,
+        {"cluster_tokens": 4},
+        "key 'cluster_tokens': must be a list of [min_tokens, tokens_per_cluster] pairs; got 4",
+    ),
+    "glm-cluster-tokens-unsorted": (
+        GLM,
+        {"cluster_tokens": [[256, 8], [64, 4]]},
+        "key 'cluster_tokens': min_tokens must be strictly increasing; got ((256, 8), (64, 4))",
+    ),
+    "glm-cluster-tokens-threshold": (
+        GLM,
+        {"cluster_tokens": [[0, 4]]},
+        "key 'cluster_tokens': min_tokens must be >= 1; got (0, 4)",
+    ),
+    "glm-archs-unknown": (GLM, {"archs": ["sm_89"]}, f"key 'archs': must be among {ARCHS}; got ('sm_89',)"),
+    "glm-archs-repeated": (
+        GLM,
+        {"archs": ["sm_90a", "sm_90a"]},
+        "key 'archs': must not repeat an arch; got ('sm_90a', 'sm_90a')",
+    ),
+    "glm-rms-eps-not-positive": (GLM, {"rms_eps": 0.0}, "key 'rms_eps': must be a finite number > 0; got 0.0"),
+    "glm-hc-eps-not-positive": (GLM, {"hc_eps": -1e-6}, "key 'hc_eps': must be a finite number > 0; got -1e-06"),
+    "glm-norm-eps-not-positive": (GLM, {"norm_eps": 0}, "key 'norm_eps': must be a finite number > 0; got 0"),
+    "glm-post-mult-not-positive": (
+        GLM,
+        {"post_mult": -2.0},
+        "key 'post_mult': must be a finite number > 0; got -2.0",
+    ),
+    "glm-sinkhorn-repeat": (GLM, {"sinkhorn_repeat": 0}, "key 'sinkhorn_repeat': must be >= 1; got 0"),
+    "glm-mixes-threads": (
+        GLM,
+        {"mixes_threads": 48},
+        "key 'mixes_threads': must be a multiple of 32 (whole warps); got 48",
+    ),
+    "glm-unknown-key": (
+        GLM,
+        {"sinkhorn_iters": 20},
+        f"key 'sinkhorn_iters': is not a GLM5Preset key (expected one of {GLM_KEYS}); got 20",
+    ),
+    "glm-missing-key": (GLM, {"cluster_tokens": DELETE}, "key 'cluster_tokens': is required; missing"),
+}
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A temporary working directory holding a copy of the generated tree (``root``)."""
+    monkeypatch.chdir(tmp_path)
+    make_root(tmp_path / "root")
+    return tmp_path
+
+
+def run_bad(workdir: Path, document: dict, capsys: pytest.CaptureFixture[str]) -> list[str]:
+    """Run codegen on ``document``; assert it failed and wrote nothing; return its error lines."""
+    # A good change elsewhere: a run that wrote anything would rewrite this preset's module.
+    document["dsv41"]["h200-tp1-h5120"]["description"] = "changed: must not reach the generated module"
+    presets = write_presets(workdir / "presets.toml", document)
+    root = workdir / "root"
+    before = snapshot(root)
+    code = main(["--presets", str(presets), "--root", str(root)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert snapshot(root) == before, "codegen wrote files despite a bad preset"
+    lines = err.splitlines()
+    assert lines[-1] == "nothing was written"
+    return lines[:-1]
+
+
+def apply(document: dict, section: str, changes: dict[str, Any]) -> None:
+    model, name = section.split(".", 1)
+    table = document[model][name]
+    for key, value in changes.items():
+        if value is DELETE:
+            del table[key]
+        else:
+            table[key] = value
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_rule(case: str, workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    section, changes, message = CASES[case]
+    document = repo_presets()
+    apply(document, section, changes)
+    assert run_bad(workdir, document, capsys) == [f"error: presets.toml: [{section}] {message}"]
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        # 224 threads (hidden 3584, cluster 8) cannot hold 32 tokens x 8 peers.
+        (
+            {"hidden": 3584, "cluster_tokens": [[64, 4], [256, 32]]},
+            "key 'cluster_tokens': threads = 224 must be >= tokens_per_cluster x cluster_size (32 x 8); got 32",
+        ),
+        # hidden 8192 on 4 CTAs: 32 tokens stage 512 KiB of residual fragments.
+        (
+            {"hidden": 8192, "cluster_size": 4, "cluster_tokens": [[64, 4], [256, 32]]},
+            "key 'cluster_tokens': 32 tokens per cluster need 649856 bytes of shared memory, more than 232448; got 32",
+        ),
+    ],
+    ids=["glm-threads-per-token-and-peer", "glm-grouped-shared-memory"],
+)
+def test_grouped_rules(
+    changes: dict[str, Any], message: str, workdir: Path, capsys: pytest.CaptureFixture[str], monkeypatch
+) -> None:
+    """The grouped kernel's thread and shared-memory rules.
+
+    The register limit on tokens per cluster (``MAX_TOKENS_PER_CLUSTER``) keeps every
+    preset within both today; lifted to 32 (its earlier value) they are what stops a table.
+    """
+    import mhc_glm5.config
+
+    monkeypatch.setattr(mhc_glm5.config, "MAX_TOKENS_PER_CLUSTER", 32)
+    document = repo_presets()
+    apply(document, GLM, changes)
+    assert run_bad(workdir, document, capsys) == [f"error: presets.toml: [{GLM}] {message}"]
+
+
+def test_tokens_per_cluster_limit(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from mhc_glm5.config import MAX_TOKENS_PER_CLUSTER
+
+    document = repo_presets()
+    too_many = MAX_TOKENS_PER_CLUSTER + 1
+    apply(document, GLM, {"cluster_tokens": [[64, 4], [256, too_many]]})
+    assert run_bad(workdir, document, capsys) == [
+        f"error: presets.toml: [{GLM}] key 'cluster_tokens': tokens_per_cluster must be in "
+        f"1..{MAX_TOKENS_PER_CLUSTER}; got (256, {too_many})"
+    ]
+
+
+def test_unknown_model(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    document = repo_presets()
+    document["llama3"] = {"h200-tp2-h4096": dict(document["glm5"]["h200-tp2-h4096"])}
+    assert run_bad(workdir, document, capsys) == [
+        "error: presets.toml: [llama3] unknown model; expected one of dsv41, glm5"
+    ]
+
+
+def test_preset_not_a_table(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    presets = workdir / "presets.toml"
+    presets.write_text("dsv41.bad = 3\n", encoding="utf-8")
+    before = snapshot(workdir / "root")
+    code = main(["--presets", str(presets), "--root", str(workdir / "root")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.splitlines() == [
+        "error: presets.toml: [dsv41.bad] must be a table of preset keys; got 3",
+        "nothing was written",
+    ]
+    assert snapshot(workdir / "root") == before
+
+
+def test_bad_name(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    document = repo_presets()
+    document["dsv41"]["h200_tp2"] = document["dsv41"].pop("h200-tp2-h5120")
+    assert run_bad(workdir, document, capsys) == [
+        "error: presets.toml: [dsv41.h200_tp2] key 'name': must be letters, digits and '-', starting with a letter; "
+        "got 'h200_tp2'"
+    ]
+
+
+def test_every_bad_table_is_reported(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    document = repo_presets()
+    apply(document, DSV, {"rank_lanes": 3})
+    apply(document, GLM, {"cluster_size": 3})
+    assert run_bad(workdir, document, capsys) == [
+        f"error: presets.toml: [{DSV}] key 'rank_lanes': must be 1, 2, 4 or 8; got 3",
+        f"error: presets.toml: [{GLM}] key 'cluster_size': must divide the 512 fragments of hidden = 4096 evenly; "
+        "got 3",
+    ]
+
+
+def test_invalid_toml(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    presets = workdir / "presets.toml"
+    presets.write_text("[dsv41.x]\nhidden = \n", encoding="utf-8")
+    code = main(["--presets", str(presets), "--root", str(workdir / "root")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("error: presets.toml: invalid TOML: ")
+
+
+def test_threads_multiple_of_rank_lanes_is_implied() -> None:
+    """The 'threads multiple of rank_lanes' rule cannot fail on its own: every allowed rank_lanes divides 32."""
+    from mhc_core.presets import PresetError, require_threads
+
+    for lanes in (1, 2, 4, 8):
+        assert 32 % lanes == 0
+    with pytest.raises(PresetError) as raised:
+        require_threads("threads", 96, multiple=64)
+    assert str(raised.value) == "key 'threads': must be a multiple of 64; got 96"

@@ -1,0 +1,256 @@
+"""AllReduceMhcBoundary on the GPU: every GLM preset at its tp (tp 1 and loopback 2, 4, 8), all
+four outputs against the reference, plain and MoE input, -0 inputs, bitwise-identical ranks, the
+grouped kernels (every tokens-per-cluster size, short last groups), join(), chained boundaries
+and CUDA-graph replays."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.glm5.checks import HC, boundary_inputs, check_boundary
+from tests.support import assert_within, bf16_randn, build_ranks, is_poisoned, poison, poisoned, run_ranks
+
+pytestmark = pytest.mark.gpu
+
+CAPACITY = 300
+_OPS: dict[str, list] = {}
+
+
+def preset_names() -> list[str]:
+    from mhc_glm5 import presets
+
+    return list(presets.names())
+
+
+def ops_for(name: str) -> list:
+    from mhc_glm5 import AllReduceMhcBoundary, presets
+
+    if name not in _OPS:
+        preset = presets.get(name).PRESET
+        _OPS[name] = build_ranks(
+            preset.tp,
+            lambda group: AllReduceMhcBoundary.from_config(preset, max_num_tokens=CAPACITY, device="cuda", group=group),
+        )
+    return _OPS[name]
+
+
+def all_reduce_ops(tp: int, hidden: int, top_k: int) -> list:
+    """LamportAllReduce with the boundary's summation tree (4 rank lanes) and finalize publish."""
+    from mhc_core import LamportAllReduce
+
+    key = f"all-reduce-{tp}-{hidden}-{top_k}"
+    if key not in _OPS:
+        _OPS[key] = build_ranks(
+            tp,
+            lambda group: LamportAllReduce(
+                hidden_size=hidden, max_num_tokens=CAPACITY, device="cuda", group=group, top_k=top_k, lanes=4
+            ),
+        )
+    return _OPS[key]
+
+
+def poisoned_outputs(m: int, hidden: int) -> tuple:
+    return (
+        poisoned((m, HC, hidden), torch.bfloat16),
+        poisoned((m, HC, 1), torch.float32),
+        poisoned((m, HC, HC), torch.float32),
+        poisoned((m, hidden), torch.bfloat16),
+    )
+
+
+def moe_inputs(ops, m: int, weight_dtype: torch.dtype, generator: torch.Generator) -> list:
+    from mhc_core import MoEOutput
+
+    op = ops[0]
+    moes = []
+    for _ in ops:
+        rows = 2 * m + 1
+        index = torch.randint(0, rows, (m, op.top_k), generator=generator, device="cuda", dtype=torch.int32)
+        index[torch.rand(m, op.top_k, generator=generator, device="cuda") < 0.3] = -1
+        weights = (torch.rand(m, op.top_k, generator=generator, device="cuda") / op.top_k).to(weight_dtype)
+        moes.append(
+            MoEOutput(
+                bf16_randn(rows, op.hidden_size, generator=generator),
+                weights,
+                index,
+                bf16_randn(m, op.hidden_size, generator=generator),
+            )
+        )
+    return moes
+
+
+def run_and_check(ops, m: int, generator: torch.Generator, *, moe_dtype=None, negative_zero=False):
+    from mhc_core import reference
+
+    op = ops[0]
+    args = boundary_inputs(m, op.hidden_size, generator, negative_zero=negative_zero)
+    outs = [poisoned_outputs(m, op.hidden_size) for _ in ops]
+    if moe_dtype is None:
+        partials = [bf16_randn(m, op.hidden_size, generator=generator) for _ in ops]
+        if negative_zero:
+            for partial in partials:
+                partial[-1] = -0.0
+        xs = partials
+        reduced = reference.all_reduce(partials, lanes=4)
+    else:
+        xs = moe_inputs(ops, m, moe_dtype, generator)
+    results = run_ranks(ops, "call", [(x, *args.values()) for x in xs], [dict(out=o) for o in outs])
+    if moe_dtype is not None:
+        # The kernel's x: the same finalize publish and the same 4-lane tree (bit-identical).
+        reduced = run_ranks(all_reduce_ops(op.tp, op.hidden_size, op.top_k), "call", [(x,) for x in xs])[0]
+    for rank_op in ops:
+        rank_op.join()
+    torch.cuda.synchronize()
+    for result, out in zip(results, outs, strict=True):
+        assert all(r.data_ptr() == o.data_ptr() for r, o in zip(result, out, strict=True))
+    check_boundary(op, results, reduced, args, [rank_op.raw_mixes[:m].clone() for rank_op in ops])
+    return results, args
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_preset_against_reference(name: str) -> None:
+    ops = ops_for(name)
+    generator = torch.Generator("cuda").manual_seed(sum(map(ord, name)))
+    for index, m in enumerate((1, 5, 16, 100, CAPACITY)):
+        run_and_check(ops, m, generator, negative_zero=index == 1)
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_every_tokens_per_cluster_with_short_last_group(name: str) -> None:
+    """M = k * tokens + 1 for each grouped size: the last group repeats its only token."""
+    ops = ops_for(name)
+    op = ops[0]
+    generator = torch.Generator("cuda").manual_seed(7)
+    for threshold, tokens in op.cluster_tokens:
+        m = max(threshold, tokens) // tokens * tokens + 1
+        assert op.tokens_per_cluster(m) == tokens
+        run_and_check(ops, m, generator, negative_zero=True)
+
+
+@pytest.mark.parametrize("weight_dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
+@pytest.mark.parametrize("name", ["h200-tp1-h4096", "h200-tp2-h4096", "h200-tp4-h4096", "h200-tp8-h4096"])
+def test_moe_input(name: str, weight_dtype: torch.dtype) -> None:
+    ops = ops_for(name)
+    generator = torch.Generator("cuda").manual_seed(13)
+    for m in (1, 16, 257):
+        run_and_check(ops, m, generator, moe_dtype=weight_dtype)
+
+
+def test_single_and_grouped_kernels_agree() -> None:
+    """The same tokens through the one-token and every grouped kernel (ops whose thresholds
+    send M = 9 to each): identical streams; raw mixes within the two-tree GEMV bound."""
+    from mhc_glm5 import presets
+    from tests.glm5.checks import gemv_depth
+    from tests.tolerances import gemv_tolerance
+
+    preset = presets.get("h200-tp1-h4096").PRESET
+    generator = torch.Generator("cuda").manual_seed(17)
+    m = 9
+    x = bf16_randn(m, preset.hidden, generator=generator)
+    args = boundary_inputs(m, preset.hidden, generator)
+    results = {}
+    for tokens in (1, 2, 4, 8):
+        op = _op_with_tokens(preset, tokens)
+        assert op.tokens_per_cluster(m) == tokens
+        outputs = op(x, *args.values())
+        op.join()
+        torch.cuda.synchronize()
+        results[tokens] = (outputs, op.raw_mixes[:m].clone(), op)
+    single_outputs, single_raw, single_op = results[1]
+    streams = single_outputs[0].float().reshape(m, -1)
+    rstd = torch.rsqrt((streams * streams).sum(-1, keepdim=True) / streams.shape[1] + preset.rms_eps)
+    tolerance = gemv_tolerance(single_outputs[0], args["fn"], rstd, gemv_depth(single_op))
+    for tokens, (outputs, raw, _) in results.items():
+        assert torch.equal(outputs[0], single_outputs[0]), f"{tokens} tokens per cluster: residual_out differs"
+        assert_within(raw, single_raw, tolerance, f"{tokens} tokens per cluster: raw mixes")
+
+
+def _op_with_tokens(preset, tokens: int):
+    """A tp = 1 op of ``preset`` whose thresholds send every M to ``tokens`` tokens per cluster."""
+    from mhc_glm5 import AllReduceMhcBoundary
+
+    return AllReduceMhcBoundary(
+        hidden_size=preset.hidden,
+        max_num_tokens=16,
+        rms_eps=preset.rms_eps,
+        hc_eps=preset.hc_eps,
+        post_mult=preset.post_mult,
+        sinkhorn_repeat=preset.sinkhorn_repeat,
+        norm_eps=preset.norm_eps,
+        device="cuda",
+        top_k=preset.top_k,
+        cluster_size=preset.cluster_size,
+        cluster_tokens=[[1, tokens]] if tokens > 1 else None,
+    )
+
+
+def test_join_semantics() -> None:
+    """post_out / comb_out are written on the side stream: incomplete before join(), complete after."""
+    ops = ops_for("h200-tp1-h4096")
+    op = ops[0]
+    generator = torch.Generator("cuda").manual_seed(19)
+    args = boundary_inputs(4, op.hidden_size, generator)
+    outs = poisoned_outputs(4, op.hidden_size)
+    torch.cuda._sleep(1)  # load the sleep kernel first
+    torch.cuda.synchronize()
+    with torch.cuda.stream(op._side):
+        torch.cuda._sleep(200_000_000)  # hold the side stream ~100 ms
+    op(bf16_randn(4, op.hidden_size, generator=generator), *args.values(), out=outs)
+    before = outs[1].clone()
+    torch.cuda.current_stream().synchronize()
+    assert is_poisoned(before).all(), "post_out was complete before join(): the mixes did not run on the side stream"
+    op.join()
+    after = outs[1].clone()
+    torch.cuda.current_stream().synchronize()
+    assert not is_poisoned(after).any()
+
+
+def test_twenty_chained_boundaries() -> None:
+    """Each call's residual_out / post_out / comb_out feed the next, as a model runs them."""
+    from mhc_core import reference
+
+    ops = ops_for("h200-tp2-h4096")
+    op = ops[0]
+    generator = torch.Generator("cuda").manual_seed(23)
+    m = 7
+    args = boundary_inputs(m, op.hidden_size, generator)
+    for _ in range(20):
+        partials = [bf16_randn(m, op.hidden_size, generator=generator) for _ in ops]
+        outs = [poisoned_outputs(m, op.hidden_size) for _ in ops]
+        results = run_ranks(ops, "call", [(p, *args.values()) for p in partials], [dict(out=o) for o in outs])
+        for rank_op in ops:
+            rank_op.join()
+        torch.cuda.synchronize()
+        check_boundary(
+            op, results, reference.all_reduce(partials, lanes=4), args, [o.raw_mixes[:m].clone() for o in ops]
+        )
+        args = dict(args, residual=results[0][0].clone(), post=results[0][1].clone(), comb=results[0][2].clone())
+
+
+@pytest.mark.parametrize("m", (1, 33, 257))
+def test_cuda_graph_replays(m: int) -> None:
+    from mhc_core import reference
+
+    ops = ops_for("h200-tp2-h4096")
+    op = ops[0]
+    generator = torch.Generator("cuda").manual_seed(m)
+    partials = [torch.zeros(m, op.hidden_size, dtype=torch.bfloat16, device="cuda") for _ in ops]
+    args = boundary_inputs(m, op.hidden_size, generator)
+    outs = [poisoned_outputs(m, op.hidden_size) for _ in ops]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_ranks(ops, "call", [(p, *args.values()) for p in partials], [dict(out=o) for o in outs])
+        for rank_op in ops:
+            rank_op.join()
+    for _ in range(200):
+        for partial in partials:
+            partial.copy_(bf16_randn(m, op.hidden_size, generator=generator))
+        for key, value in boundary_inputs(m, op.hidden_size, generator).items():
+            args[key].copy_(value)
+        for rank_outs in outs:
+            for tensor in rank_outs:
+                poison(tensor)
+        graph.replay()
+        torch.cuda.synchronize()
+        check_boundary(op, outs, reference.all_reduce(partials, lanes=4), args, [o.raw_mixes[:m].clone() for o in ops])
