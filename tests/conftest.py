@@ -45,9 +45,7 @@ def _cuda_available() -> bool:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if _cuda_available():
         return
-    skip = pytest.mark.skip(
-        reason="no CUDA GPU here: GPU tests run on the H200 (python3 -m pytest -m gpu tests)"
-    )
+    skip = pytest.mark.skip(reason="no CUDA GPU here: GPU tests run on the H200 (python3 -m pytest -m gpu tests)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

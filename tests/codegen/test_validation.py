@@ -227,9 +227,20 @@ def test_grouped_rules(
     import mhc_glm5.config
 
     monkeypatch.setattr(mhc_glm5.config, "MAX_TOKENS_PER_CLUSTER", 32)
+    monkeypatch.setattr(mhc_glm5.config, "GROUPED_MAX_THREADS", 1024)
     document = repo_presets()
     apply(document, GLM, changes)
     assert run_bad(workdir, document, capsys) == [f"error: presets.toml: [{GLM}] {message}"]
+
+
+def test_grouped_register_rule(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """hidden 4608 on 8 CTAs is 288 threads: 4 tokens per cluster would spill registers."""
+    document = repo_presets()
+    apply(document, GLM, {"hidden": 4608, "cluster_tokens": [[16, 2], [32, 4]]})
+    assert run_bad(workdir, document, capsys) == [
+        f"error: presets.toml: [{GLM}] key 'cluster_tokens': more than 2 tokens per cluster need threads <= 256 "
+        "(above that ptxas spills the grouped kernel's registers); threads = 288; got 4"
+    ]
 
 
 def test_tokens_per_cluster_limit(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,7 +13,7 @@ from tests.support import assert_within, bf16_randn, build_ranks, is_poisoned, p
 
 pytestmark = pytest.mark.gpu
 
-CAPACITY = 300
+CAPACITY = 1032
 _OPS: dict[str, list] = {}
 
 

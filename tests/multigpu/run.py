@@ -201,7 +201,7 @@ def glm5_cases(group, tp: int, rank: int) -> dict[str, Callable[[], None]]:
     from tests.glm5.checks import boundary_inputs, check_boundary
 
     name = f"h200-tp{tp}-h4096"
-    capacity = 300
+    capacity = 1032
     op = AllReduceMhcBoundary.from_preset(name, max_num_tokens=capacity, device="cuda", group=group)
     hidden = op.hidden_size
 
@@ -216,10 +216,39 @@ def glm5_cases(group, tp: int, rank: int) -> dict[str, Callable[[], None]]:
 
     def shapes() -> None:
         generator = shared_generator(53)
-        for index, m in enumerate((1, 5, 16, 100, 65, 257, capacity)):
+        for index, m in enumerate((1, 5, 17, 33, 100, 1025, capacity)):
             run(m, generator, negative_zero=index == 1)
 
-    return {f"glm5: {name} (one-token and grouped kernels)": shapes}
+    def moe() -> None:
+        from mhc_core import MoEOutput
+
+        generator = shared_generator(59)
+        for weight_dtype in (torch.float32, torch.bfloat16):
+            for m in (1, 33):
+                args = boundary_inputs(m, hidden, generator)
+                moes = []
+                for _ in range(tp):
+                    index = torch.randint(
+                        0, 2 * m, (m, op.top_k), generator=generator, device="cuda", dtype=torch.int32
+                    )
+                    index[torch.rand(m, op.top_k, generator=generator, device="cuda") < 0.3] = -1
+                    moes.append(
+                        MoEOutput(
+                            bf16_randn(2 * m, hidden, generator=generator),
+                            (torch.rand(m, op.top_k, generator=generator, device="cuda") / op.top_k).to(weight_dtype),
+                            index,
+                            bf16_randn(m, hidden, generator=generator),
+                        )
+                    )
+                result = op(moes[rank], *args.values())
+                op.join()
+                torch.cuda.synchronize()
+                check_identical_across_ranks(*result, op.raw_mixes[:m])
+
+    return {
+        f"glm5: {name} (one-token and grouped kernels)": shapes,
+        f"glm5: {name} MoE input, fp32 and bf16 weights": moe,
+    }
 
 
 def main() -> int:

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DSL = "nvidia-cutlass-dsl==4.8.1"
 PACKAGES = {
     # distribution: (import name, pins its METADATA must declare)
-    "mhc-core": ("mhc_core", {DSL, "torch"}),
+    "mhc-core": ("mhc_core", {DSL, "torch", "numpy"}),  # numpy: mhc_core.spin uses Tensor.numpy()
     "mhc-dsv41": ("mhc_dsv41", {"mhc-core~=0.1.0", DSL, "torch"}),
     "mhc-glm5": ("mhc_glm5", {"mhc-core~=0.1.0", DSL, "torch"}),
 }

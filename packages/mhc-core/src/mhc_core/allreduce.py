@@ -112,8 +112,10 @@ def lamport_all_reduce(
     from .groups import LoopbackRank
 
     if isinstance(group, LoopbackRank):
-        raise TypeError("group: lamport_all_reduce takes None or a process group; drive loopback ranks with "
-                        "LamportAllReduce and LoopbackGroup.run")
+        raise TypeError(
+            "group: lamport_all_reduce takes None or a process group; drive loopback ranks with "
+            "LamportAllReduce and LoopbackGroup.run"
+        )
     shared = x.shared_output if isinstance(x, MoEOutput) else x
     if not isinstance(shared, torch.Tensor) or shared.dim() != 2:
         raise TypeError("x: expected a [M, hidden] torch.Tensor or a MoEOutput")

@@ -111,7 +111,7 @@ class CompiledKernel:
 
 
 _REGISTERS = re.compile(r"Used (\d+) registers")
-_SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_SPILLS = re.compile(r"(\d+) bytes stack frame,\s+(\d+) bytes spill\s+stores,\s+(\d+) bytes spill\s+loads")
 _SHARED = re.compile(r"(\d+) bytes smem")
 
 
@@ -152,7 +152,9 @@ def compile_kernel(kernel: DeviceKernel, arch: str, *, inspect: bool = False) ->
         with tempfile.TemporaryDirectory(prefix="mhc-ptx-") as dump:
             captured = io.StringIO()
             with contextlib.redirect_stderr(captured):
-                function = cute.compile(kernel, *fakes, options=f"{options} --keep-ptx --dump-dir {dump} remarks{{ptx}}")
+                function = cute.compile(
+                    kernel, *fakes, options=f"{options} --keep-ptx --dump-dir {dump} remarks{{ptx}}"
+                )
             seconds = time.perf_counter() - start
             compiled = CompiledKernel(
                 kernel, arch, function, ptx=function.__ptx__, report=parse_ptxas_report(captured.getvalue(), seconds)

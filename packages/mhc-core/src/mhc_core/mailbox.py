@@ -49,9 +49,7 @@ class LamportMailbox:
     mailbox base (unicast, own rank included) or the multicast base.
     """
 
-    def __init__(
-        self, group: RankGroup, *, capacity: int, hidden: int, device: torch.device, transport: str
-    ) -> None:
+    def __init__(self, group: RankGroup, *, capacity: int, hidden: int, device: torch.device, transport: str) -> None:
         self.tp = group.tp
         self.capacity = capacity
         self.hidden = hidden

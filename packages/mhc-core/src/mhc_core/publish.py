@@ -145,7 +145,9 @@ class PublishKernel(_PublishBase):
         )
 
     @cute.kernel
-    def kernel(self, x: cute.Pointer, stage_state: cute.Tensor, destinations: cute.Tensor, rank: Int32, capacity: Int32):
+    def kernel(
+        self, x: cute.Pointer, stage_state: cute.Tensor, destinations: cute.Tensor, rank: Int32, capacity: Int32
+    ):
         token, fragment, stage, bases = self._begin(stage_state, destinations)
         values = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
         values.fill(Float32(0.0))
@@ -200,7 +202,20 @@ class FinalizePublishKernel(_PublishBase):
 
     @cute.jit
     def __call__(
-        self, gemm2, weights, index, shared, rows, check_routes, error_flag, stage_state, destinations, rank, capacity, m, stream
+        self,
+        gemm2,
+        weights,
+        index,
+        shared,
+        rows,
+        check_routes,
+        error_flag,
+        stage_state,
+        destinations,
+        rank,
+        capacity,
+        m,
+        stream,
     ):
         self.kernel(
             gemm2, weights, index, shared, rows, check_routes, error_flag, stage_state, destinations, rank, capacity
@@ -228,7 +243,9 @@ class FinalizePublishKernel(_PublishBase):
         values.fill(Float32(0.0))
         if fragment < config.fragments:
             column = Int64(fragment) * VEC_BF16
-            values.store(ptx.words_to_f32x8(ptx.load_u32x4(shared.toint() + (Int64(token) * config.hidden + column) * 2)))
+            values.store(
+                ptx.words_to_f32x8(ptx.load_u32x4(shared.toint() + (Int64(token) * config.hidden + column) * 2))
+            )
             route_rows = cute.make_rmem_tensor(cute.make_layout((top_k,)), Int32)
             route_weights = cute.make_rmem_tensor(cute.make_layout((top_k,)), Float32)
             taken = cute.make_rmem_tensor(cute.make_layout((top_k,)), Boolean)

@@ -37,7 +37,7 @@ def tp_sum(partials: list[torch.Tensor], lanes: int = 1) -> torch.Tensor:
     zero = torch.zeros_like(values[0])
     per_lane = []
     for lane in range(lanes):
-        mine = values[lane :: lanes]
+        mine = values[lane::lanes]
         total = mine[0] if mine else zero
         for value in mine[1:]:
             total = total + value
@@ -153,9 +153,7 @@ def sinkhorn(logits: torch.Tensor, eps: float, repeat: int) -> torch.Tensor:
     return c
 
 
-def glm5_mixes(
-    streams: torch.Tensor, fn: torch.Tensor, rms_eps: float
-) -> torch.Tensor:
+def glm5_mixes(streams: torch.Tensor, fn: torch.Tensor, rms_eps: float) -> torch.Tensor:
     """Raw mixes ``[M, 24]``: ``(fn @ s) * rsqrt(sum(s^2) / (4 hidden) + rms_eps)`` over BF16 streams ``s``."""
     flat = streams.float().reshape(streams.shape[0], -1)
     rstd = torch.rsqrt((flat * flat).sum(-1, keepdim=True) / flat.shape[1] + rms_eps)

@@ -131,9 +131,7 @@ class BoundKernel:
                 self._template[index] = param.kind.convert(fixed[param.name])
             elif not isinstance(param.kind, Stream):
                 self._per_call.append((index, param))
-        self._stream_index = next(
-            (i for i, param in enumerate(signature) if isinstance(param.kind, Stream)), None
-        )
+        self._stream_index = next((i for i, param in enumerate(signature) if isinstance(param.kind, Stream)), None)
         self.per_call_names: Sequence[str] = tuple(param.name for _, param in self._per_call)
 
     def __call__(self, **values: Any) -> None:

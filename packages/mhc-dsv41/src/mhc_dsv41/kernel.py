@@ -195,9 +195,10 @@ class LamportMHCKernel(DeviceKernel):
                 for target in cutlass.range_constexpr(hc):
                     mixed = reduced * post_mix[target]
                     for source in cutlass.range_constexpr(hc):
-                        mixed = mixed + ptx.words_to_f32x8(stream_words[trip, source, None].load()) * comb_mix[
-                            source, target
-                        ]
+                        mixed = (
+                            mixed
+                            + ptx.words_to_f32x8(stream_words[trip, source, None].load()) * comb_mix[source, target]
+                        )
                     mixed_words = ptx.f32x8_to_words(mixed)
                     element = (Int64(token) * hc + target) * hidden + column
                     ptx.store_u32x4(residual_out.toint() + element * 2, mixed_words)

@@ -157,7 +157,9 @@ class AllReduceMHC(LamportOp):
         residual_out = optional_output(
             "out[0] (residual_out)", out[0] if out else None, (m, hc, hidden), torch.bfloat16, device
         )
-        layer_input = optional_output("out[1] (layer_input)", out[1] if out else None, (m, hidden), torch.bfloat16, device)
+        layer_input = optional_output(
+            "out[1] (layer_input)", out[1] if out else None, (m, hidden), torch.bfloat16, device
+        )
 
         def collect(after_publish: bool) -> tuple[torch.Tensor, torch.Tensor]:
             self._collective(

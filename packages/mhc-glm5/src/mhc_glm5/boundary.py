@@ -109,9 +109,10 @@ def gemv_partials(fn_rows: cute.Tensor, stream: cute.TensorSSA, mixed_fma: cutla
 @cute.jit
 def pre_mix(mix: Float32, scale: cute.Pointer, base: cute.Pointer, lane: Int32, hc_eps: Float32) -> Float32:
     """``sigmoid(raw[j] * scale[0] + base[j]) + hc_eps`` for stream ``j = lane``."""
-    return sigmoid(
-        mix * cute.arch.load(scale.llvm_ptr, Float32) + cute.arch.load((base + lane).llvm_ptr, Float32)
-    ) + hc_eps
+    return (
+        sigmoid(mix * cute.arch.load(scale.llvm_ptr, Float32) + cute.arch.load((base + lane).llvm_ptr, Float32))
+        + hc_eps
+    )
 
 
 @cute.jit

@@ -43,6 +43,9 @@ MIX_INPUTS = HC + HC * HC
 #: The grouped kernel keeps every token's fragment words in registers next to the 24 fn
 #: rows: 8 tokens fit in 255 registers without spilling (ptxas, sm_90a and sm_100a); 16 spill.
 MAX_TOKENS_PER_CLUSTER = 8
+#: With more than 2 tokens per cluster the grouped kernel needs ~250 registers per thread:
+#: ptxas spills it at 288 threads (hidden 4608, cluster 8), not at 256.
+GROUPED_MAX_THREADS = 256
 
 
 def boundary_threads(hidden: int, cluster_size: int) -> int:
@@ -100,7 +103,10 @@ def check_cluster_tokens(value: object) -> tuple[tuple[int, int], ...]:
         threshold, tokens = entry
         require(threshold >= 1, key, "min_tokens must be >= 1", entry)
         require(
-            1 <= tokens <= MAX_TOKENS_PER_CLUSTER, key, f"tokens_per_cluster must be in 1..{MAX_TOKENS_PER_CLUSTER}", entry
+            1 <= tokens <= MAX_TOKENS_PER_CLUSTER,
+            key,
+            f"tokens_per_cluster must be in 1..{MAX_TOKENS_PER_CLUSTER}",
+            entry,
         )
         pairs.append((threshold, tokens))
     thresholds = [threshold for threshold, _ in pairs]
@@ -162,6 +168,13 @@ class GLM5Preset:
                 threads >= tokens * self.cluster_size,
                 "cluster_tokens",
                 f"threads = {threads} must be >= tokens_per_cluster x cluster_size ({tokens} x {self.cluster_size})",
+                tokens,
+            )
+            require(
+                tokens <= 2 or threads <= GROUPED_MAX_THREADS,
+                "cluster_tokens",
+                f"more than 2 tokens per cluster need threads <= {GROUPED_MAX_THREADS} (above that ptxas "
+                f"spills the grouped kernel's registers); threads = {threads}",
                 tokens,
             )
             shared = grouped_shared_bytes(self.hidden, self.cluster_size, tokens)

@@ -195,7 +195,8 @@ class GroupBoundaryKernel(DeviceKernel):
                 t = index // VALUES
                 v = index % VALUES
                 cute.arch.store(
-                    (totals + index).llvm_ptr, reduce.cluster_total(cluster_sums + t * cluster * VALUES, v, VALUES, cluster)
+                    (totals + index).llvm_ptr,
+                    reduce.cluster_total(cluster_sums + t * cluster * VALUES, v, VALUES, cluster),
                 )
         cute.arch.barrier()
 
@@ -237,4 +238,3 @@ class GroupBoundaryKernel(DeviceKernel):
                 inv_rms = cute.math.rsqrt(sum_square / Float32(hidden) + Float32(config.norm_eps), fastmath=True)
                 result = ptx.words_to_f32x8(kept[t, 0, None].load()) * inv_rms * weight
                 ptx.store_u32x4(layer_input.toint() + (Int64(token) * hidden + column) * 2, ptx.f32x8_to_words(result))
-

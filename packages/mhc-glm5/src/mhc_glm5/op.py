@@ -109,9 +109,7 @@ class AllReduceMhcBoundary(LamportOp):
         for tokens in self.preset.grouped_sizes:
             grouped = BoundaryConfig(**self.preset.boundary_config(self.arch), tokens=tokens)
             self._boundary_kernels[tokens] = self._compile(GroupBoundaryKernel(grouped))
-        mixes = MixesConfig(
-            hc_eps=hc_eps, post_mult=post_mult, sinkhorn_repeat=sinkhorn_repeat, threads=mixes_threads
-        )
+        mixes = MixesConfig(hc_eps=hc_eps, post_mult=post_mult, sinkhorn_repeat=sinkhorn_repeat, threads=mixes_threads)
         self._mixes_kernel = self._compile(MixesKernel(mixes))
         self._raw_mixes = torch.empty(self.capacity, MIX, dtype=torch.float32, device=self.device)
         self._side = torch.cuda.Stream(self.device)

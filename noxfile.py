@@ -1,0 +1,159 @@
+"""Sessions: ``nox -s build`` (the main job) and ``nox -s tests`` (what CI runs); ``nox -l`` lists them all.
+
+* ``generate`` — render the preset modules (``python3 -m codegen``; ``-- --check`` to check only).
+* ``lint`` — ``ruff check`` and ``ruff format --check`` over the whole repo.
+* ``build`` — generate, compile every preset's kernels without a GPU (``python3 -m tools.compile_presets``),
+  then one wheel per package into ``dist/``.
+* ``tests`` — the whole suite in one venv (GPU tests run where a GPU is visible, else skip);
+  ``tests_core``, ``tests_dsv41``, ``tests_glm5`` — one package's tests each.
+* ``gpu``, ``multigpu``, ``bench`` — thin wrappers over ``python3 -m pytest -m gpu tests``,
+  ``python3 -m torch.distributed.run ... -m tests.multigpu.run`` and ``python3 -m benchmarks.run``.
+  They run in the host's own Python (no venv): a GPU host brings the torch build that matches its
+  driver, and the commands work the same where nox is absent, with ``packages/*/src`` on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).resolve().parent
+PACKAGES = ("mhc-core", "mhc-dsv41", "mhc-glm5")
+SOURCES = [str(ROOT / "packages" / package / "src") for package in PACKAGES]
+DSL = "nvidia-cutlass-dsl==4.8.1"
+# Plain "torch" takes the newest release pip finds, on this project's machines a CUDA build of
+# several GB; 2.13.0 is the CPU build that lies on their disk (pip's find-links), and any host
+# where it is not on disk gets 2.13.0 from PyPI. Override with MHC_TORCH="torch==X.Y.Z".
+TORCH = os.environ.get("MHC_TORCH", "torch==2.13.0")
+#: NVLink multicast stays off unless asked for (it is opt-in and compile-checked only).
+NO_MULTICAST = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
+MULTICAST = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "0", "NCCL_NVLS_ENABLE": "1", "NVSHMEM_DISABLE_NVLS": "0"}
+
+nox.options.default_venv_backend = "virtualenv"  # pip, so the machine's pip settings (find-links, caps) apply
+nox.options.sessions = ["lint", "tests"]
+nox.options.reuse_venv = "yes"
+
+
+def _source_path() -> dict[str, str]:
+    """PYTHONPATH with the packages' src folders and the repo root first (nothing installed)."""
+    existing = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": os.pathsep.join([*SOURCES, str(ROOT), *([existing] if existing else [])])}
+
+
+def _install_runtime(session: nox.Session, *packages: str) -> None:
+    """torch, the DSL, the test tools, then the given packages editable (in dependency order)."""
+    session.install(TORCH, DSL, "pytest", "jinja2", "hatchling", "ruff")
+    editable = []
+    for package in packages:
+        editable += ["-e", f"packages/{package}"]
+    # hatchling is installed above: no isolated build environment to download for each package.
+    session.install("--no-build-isolation", *editable)
+
+
+@nox.session(tags=["generate"])
+def generate(session: nox.Session) -> None:
+    """Render presets.toml into the packages' presets/ modules."""
+    session.install("jinja2")
+    session.run("python", "-m", "codegen", *session.posargs)
+
+
+@nox.session(tags=["lint"])
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the whole repo."""
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(tags=["build"])
+def build(session: nox.Session) -> None:
+    """Generate, compile every preset's kernels for its archs (no GPU), build the three wheels into dist/."""
+    session.install(TORCH, DSL, "numpy", "jinja2", "hatchling", "build")
+    session.run("python", "-m", "codegen")
+    session.run("python", "-m", "tools.compile_presets", *session.posargs)
+    for package in PACKAGES:
+        session.run("python", "-m", "build", "--wheel", "--no-isolation", "--outdir", "dist", f"packages/{package}")
+
+
+@nox.session(tags=["tests"])
+def tests(session: nox.Session) -> None:
+    """The whole suite in one venv; GPU tests run where a CUDA GPU is visible and skip elsewhere."""
+    _install_runtime(session, *PACKAGES)
+    session.run("python", "-m", "pytest", "tests", *session.posargs)
+
+
+@nox.session(tags=["tests"], default=False)
+def tests_core(session: nox.Session) -> None:
+    """mhc-core's tests, with codegen's and the packaging tests."""
+    _install_runtime(session, *PACKAGES)  # the codegen and packaging tests import the model packages' configs
+    session.run("python", "-m", "pytest", "tests/core", "tests/codegen", "tests/packaging", *session.posargs)
+
+
+@nox.session(tags=["tests"], default=False)
+def tests_dsv41(session: nox.Session) -> None:
+    """mhc-dsv41's tests (with mhc-core installed beside it)."""
+    _install_runtime(session, "mhc-core", "mhc-dsv41")
+    session.run("python", "-m", "pytest", "tests/dsv41", *session.posargs, success_codes=[0, 5])
+
+
+@nox.session(tags=["tests"], default=False)
+def tests_glm5(session: nox.Session) -> None:
+    """mhc-glm5's tests (with mhc-core installed beside it)."""
+    _install_runtime(session, "mhc-core", "mhc-glm5")
+    session.run("python", "-m", "pytest", "tests/glm5", *session.posargs, success_codes=[0, 5])
+
+
+@nox.session(tags=["gpu"], venv_backend="none", default=False)
+def gpu(session: nox.Session) -> None:
+    """python3 -m pytest -m gpu tests, in the host's Python."""
+    session.run("python3", "-m", "pytest", "-m", "gpu", "tests", *session.posargs, env=_source_path(), external=True)
+
+
+@nox.session(tags=["multigpu"], venv_backend="none", default=False)
+def multigpu(session: nox.Session) -> None:
+    """torchrun over tests.multigpu.run for each tp in {2, 4, 8} the host has GPUs for.
+
+    NVLink multicast is disabled in torch symmetric memory, NCCL and NVSHMEM unless the user asks
+    with ``nox -s multigpu -- --multicast``: then the three variables are exported with their
+    enabling values (tests.multigpu.run only fills in unset ones). Other posargs go to the runner.
+    """
+    env = _source_path()
+    output = session.run(
+        "python3", "-c", "import torch;print(torch.cuda.device_count())", env=env, silent=True, external=True
+    )
+    count = int(str(output).strip().splitlines()[-1])
+    if count < 2:
+        session.log(f"multi-GPU tests need >= 2 GPUs; this host has {count}: nothing to run")
+        return
+    forwarded = [arg for arg in session.posargs if arg != "--multicast"]
+    if "--multicast" in session.posargs:
+        env.update(MULTICAST)
+        session.log("NVLink multicast requested: " + " ".join(f"{k}={v}" for k, v in MULTICAST.items()))
+    else:
+        env.update(NO_MULTICAST)
+    for tp in (2, 4, 8):
+        if tp > count:
+            break
+        session.run(
+            "python3",
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(tp),
+            "-m",
+            "tests.multigpu.run",
+            "--tp",
+            str(tp),
+            *forwarded,
+            env=env,
+            external=True,
+        )
+
+
+@nox.session(tags=["bench"], venv_backend="none", default=False)
+def bench(session: nox.Session) -> None:
+    """python3 -m benchmarks.run with the posargs, in the host's Python."""
+    session.run("python3", "-m", "benchmarks.run", *session.posargs, env=_source_path(), external=True)

@@ -1,0 +1,246 @@
+"""Compile every preset's kernels for each of its archs, without a GPU, and tabulate ptxas's report.
+
+    python3 -m tools.compile_presets [--arch A ...] [--preset NAME ...] [--model dsv41|glm5]
+
+The kernels come from the generated preset modules (``<package>.presets``,
+``kernels(arch)``); ``mhc_core.compiler.compile_kernel(kernel, arch, inspect=True)``
+passes ``--gpu-arch`` so no GPU is needed. A kernel config met again on the same
+arch is compiled once; its later rows say "same as" the first. A kernel class that
+does not exist yet is reported once ("not implemented yet") and gets no row.
+
+Exits non-zero on any compile failure and on any spill or local memory use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ("dsv41", "glm5")
+PACKAGES = {"dsv41": "mhc_dsv41", "glm5": "mhc_glm5"}
+
+
+def ensure_importable() -> None:
+    """Put ``packages/*/src`` on ``sys.path`` for the packages that are not installed."""
+    for distribution in ("mhc-core", "mhc-dsv41", "mhc-glm5"):
+        package = distribution.replace("-", "_")
+        src = ROOT / "packages" / distribution / "src"
+        if importlib.util.find_spec(package) is None and str(src) not in sys.path:
+            sys.path.insert(0, str(src))
+
+
+@dataclass(frozen=True)
+class Job:
+    """One kernel of one preset on one arch."""
+
+    model: str
+    preset: str
+    kernel: str
+    arch: str
+    path: str  # "package.module:Class"
+    config: dict[str, Any]
+    dynamic_shared: int | None
+    module: ModuleType = field(compare=False, repr=False)  # the generated preset module
+
+    @property
+    def label(self) -> str:
+        return f"{self.model}.{self.preset}"
+
+    @property
+    def key(self) -> tuple:
+        """Identical kernels: same class, same config, same arch."""
+        return (self.path, repr(sorted(self.config.items())), self.arch)
+
+
+@dataclass
+class Row:
+    job: Job
+    report: Any  # mhc_core.compiler.CompileReport
+    same_as: Job | None = None
+
+
+def dynamic_shared(model: str, kernel: str, geometry: dict[str, Any]) -> int | None:
+    """The kernel's dynamic shared memory where the preset's GEOMETRY states it (ptxas sees only static)."""
+    if model == "dsv41" and kernel == "collective":
+        return geometry["shared_bytes"]
+    if model == "glm5" and kernel == "boundary":
+        return geometry["shared_bytes"]
+    if model == "glm5" and kernel.startswith("boundary_x"):
+        return geometry["grouped_shared_bytes"].get(int(kernel.removeprefix("boundary_x")))
+    return None
+
+
+def missing_class(path: str) -> bool:
+    """True when the kernel class (or its module) does not exist yet; a module that fails otherwise raises."""
+    module_name, _, class_name = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        parts = module_name.split(".")
+        prefixes = {".".join(parts[: i + 1]) for i in range(len(parts))}
+        if error.name in prefixes:
+            return True
+        raise
+    return not hasattr(module, class_name)
+
+
+def select_presets(models: list[str], wanted: list[str]) -> list[tuple[str, str, ModuleType]]:
+    """(model, preset name, generated module) for the chosen presets, in registry order."""
+    chosen = []
+    found = set()
+    for model in models:
+        registry = importlib.import_module(f"{PACKAGES[model]}.presets")
+        for name in registry.names():
+            if wanted and name not in wanted and f"{model}.{name}" not in wanted:
+                continue
+            found.update({name, f"{model}.{name}"})
+            chosen.append((model, name, registry.get(name)))
+    unknown = [name for name in wanted if name not in found]
+    if unknown:
+        raise SystemExit(f"error: unknown preset(s) {', '.join(unknown)} (models: {', '.join(models)})")
+    return chosen
+
+
+def jobs_for(presets: list[tuple[str, str, ModuleType]], archs: list[str]) -> list[Job]:
+    jobs = []
+    for model, name, module in presets:
+        for arch in module.PRESET.archs:
+            if archs and arch not in archs:
+                continue
+            for kernel, (path, config) in module.KERNELS[arch].items():
+                shared = dynamic_shared(model, kernel, module.GEOMETRY)
+                jobs.append(Job(model, name, kernel, arch, path, config, shared, module))
+    return jobs
+
+
+def format_table(rows: list[Row]) -> str:
+    header = ("preset", "kernel", "arch", "regs", "spill st/ld B", "stack B", "smem B", "compile s", "note")
+    lines = []
+    for row in rows:
+        job, report = row.job, row.report
+        if job.dynamic_shared is not None:
+            static = f" + {report.shared_bytes} static" if report.shared_bytes else ""
+            shared = f"{job.dynamic_shared} dyn{static}"
+        else:
+            shared = f"{report.shared_bytes} static"
+        note = f"same as {row.same_as.label} {row.same_as.kernel}" if row.same_as else ""
+        seconds = "-" if row.same_as else f"{report.seconds:.2f}"
+        lines.append(
+            (
+                job.label,
+                job.kernel,
+                job.arch,
+                str(report.registers),
+                f"{report.spill_stores}/{report.spill_loads}",
+                str(report.stack_bytes),
+                shared,
+                seconds,
+                note,
+            )
+        )
+    widths = [max(len(cells[i]) for cells in (header, *lines)) for i in range(len(header))]
+    numeric = {3, 4, 5, 7}
+
+    def render(cells: tuple[str, ...]) -> str:
+        return "  ".join(
+            c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
+
+    rule = "  ".join("-" * width for width in widths)
+    return "\n".join([render(header).rstrip(), rule, *(render(cells).rstrip() for cells in lines)])
+
+
+def problems_of(report: Any) -> list[str]:
+    if report.registers is None or report.spill_stores is None or report.stack_bytes is None:
+        return ["no ptxas report (registers / spills unknown)"]
+    problems = []
+    if report.spill_stores or report.spill_loads:
+        problems.append(f"spills {report.spill_stores} B stored / {report.spill_loads} B loaded")
+    if report.stack_bytes:
+        problems.append(f"{report.stack_bytes} B of stack (local memory)")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 -m tools.compile_presets", description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", action="append", default=[], help="only this arch (repeatable)")
+    parser.add_argument(
+        "--preset", action="append", default=[], help="only this preset, NAME or MODEL.NAME (repeatable)"
+    )
+    parser.add_argument("--model", choices=MODELS, help="only this model's presets")
+    args = parser.parse_args(argv)
+    ensure_importable()
+
+    from mhc_core.compiler import compile_kernel
+    from mhc_core.constants import SUPPORTED_ARCHS
+
+    unknown_archs = [arch for arch in args.arch if arch not in SUPPORTED_ARCHS]
+    if unknown_archs:
+        parser.error(f"--arch: expected among {', '.join(SUPPORTED_ARCHS)}; got {', '.join(unknown_archs)}")
+    models = [args.model] if args.model else list(MODELS)
+    jobs = jobs_for(select_presets(models, args.preset), args.arch)
+    if not jobs:
+        print("no kernels to compile for that selection", file=sys.stderr)
+        return 1
+
+    rows: list[Row] = []
+    first: dict[tuple, Row] = {}
+    missing: dict[str, bool] = {}
+    failures: list[str] = []
+    start = time.perf_counter()
+    for index, job in enumerate(jobs, start=1):
+        prefix = f"[{index}/{len(jobs)}] {job.label} {job.kernel} {job.arch}"
+        if job.key in first:
+            rows.append(Row(job, first[job.key].report, same_as=first[job.key].job))
+            print(f"{prefix}: same as {first[job.key].job.label} {first[job.key].job.kernel}", flush=True)
+            continue
+        try:
+            if job.path not in missing:
+                missing[job.path] = missing_class(job.path)
+                if missing[job.path]:
+                    print(f"not implemented yet: {job.path}", flush=True)
+            if missing[job.path]:
+                continue
+            kernel = job.module.kernels(job.arch, [job.kernel])[job.kernel]
+            report = compile_kernel(kernel, job.arch, inspect=True).report
+        except Exception as error:  # report every failure, then go on with the rest
+            message = f"{prefix}: compile failed: {type(error).__name__}: {error}"
+            failures.append(message)
+            print(message, flush=True)
+            traceback.print_exc(limit=-3, file=sys.stdout)
+            continue
+        row = Row(job, report)
+        rows.append(row)
+        first[job.key] = row
+        print(f"{prefix}: {report.registers} registers, {report.seconds:.2f} s", flush=True)
+        failures.extend(f"{prefix}: {problem}" for problem in problems_of(report))
+
+    compiled = len(first)
+    print()
+    if rows:
+        print(format_table(rows))
+        print()
+    not_implemented = sorted(path for path, absent in missing.items() if absent)
+    print(
+        f"{compiled} distinct kernels compiled for {len(rows)} preset kernels "
+        f"in {time.perf_counter() - start:.1f} s; {len(not_implemented)} kernel class(es) not implemented yet"
+    )
+    if failures:
+        print(f"\n{len(failures)} problem(s):", file=sys.stderr)
+        for failure in failures:
+            print(f"  {failure}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
