@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64, Uint32
+from cutlass import BFloat16, Float32, Int32, Int64
 
 from . import protocol, ptx
 from .compiler import DeviceKernel
@@ -87,7 +87,6 @@ class CollectiveKernel(DeviceKernel):
     ):
         config = self.config
         lanes, tp, hidden = config.lanes, config.tp, config.hidden
-        waves = protocol.rank_waves(tp, lanes)
         tidx, _, _ = cute.arch.thread_idx()
         token, chunk, _ = cute.arch.block_idx()
         lane = tidx % lanes
@@ -97,15 +96,10 @@ class CollectiveKernel(DeviceKernel):
 
         cute.arch.griddepcontrol_wait()
         stage = protocol.active_stage(stage_state)
-        kept = cute.make_rmem_tensor(cute.make_layout((1, waves, 4), stride=(waves * 4, 4, 1)), Uint32)
-        protocol.poll_slots(
-            kept, base, stage, token, token, fragment, lane, active, 1, tp, lanes, capacity, hidden,
-            spin_limit_ns, error_flag,
-        )  # fmt: skip
-        cute.arch.sync_warp()
         total = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
-        total.store(protocol.lane_sum(kept, 0, waves))
-        protocol.sum_over_lanes(total, lanes)
+        protocol.poll_and_sum(
+            total, base, stage, token, fragment, lane, active, tp, lanes, capacity, hidden, spin_limit_ns, error_flag
+        )
         if active & (lane == 0):
             element = Int64(token) * hidden + Int64(fragment) * VEC_BF16
             ptx.store_u32x4(out.toint() + element * 2, ptx.f32x8_to_words(total.load()))

@@ -224,6 +224,36 @@ def sum_over_lanes(values: cute.Tensor, lanes: cutlass.Constexpr[int]) -> None:
 
 
 @cute.jit
+def poll_and_sum(
+    total: cute.Tensor,
+    mailbox: Int64,
+    stage: Uint32,
+    token: Int32,
+    fragment: Int32,
+    lane: Int32,
+    active: Boolean,
+    tp: cutlass.Constexpr[int],
+    lanes: cutlass.Constexpr[int],
+    capacity: Int32,
+    hidden: cutlass.Constexpr[int],
+    spin_limit_ns: Int64,
+    error_flag: Int64,
+) -> None:
+    """One token's fragment from every rank, summed: ``total`` (8 FP32) holds the tree sum in
+    every lane of the group (``poll_slots``, then the lanes' sums, then the butterfly)."""
+    waves = rank_waves(tp, lanes)
+    kept = cute.make_rmem_tensor(cute.make_layout((1, waves, 4), stride=(waves * 4, 4, 1)), Uint32)
+    poll_slots(
+        kept, mailbox, stage, token, token, fragment, lane, active, 1, tp, lanes, capacity, hidden,
+        spin_limit_ns, error_flag,
+    )  # fmt: skip
+    # Lanes leave the poll at different times; the butterfly needs the warp converged.
+    cute.arch.sync_warp()
+    total.store(lane_sum(kept, 0, waves))
+    sum_over_lanes(total, lanes)
+
+
+@cute.jit
 def rearm_slots(
     mailbox: Int64,
     stage: Uint32,

@@ -134,7 +134,6 @@ class LamportMHCKernel(DeviceKernel):
     ):
         config = self.config
         hc, tp, lanes, hidden, trips = config.hc, config.tp, config.rank_lanes, config.hidden, config.trips
-        waves = protocol.rank_waves(tp, lanes)
         tidx, _, _ = cute.arch.thread_idx()
         token, _, _ = cute.arch.block_idx()
         cluster_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
@@ -174,18 +173,14 @@ class LamportMHCKernel(DeviceKernel):
         stage = protocol.active_stage(stage_state)
         prenorm_words = cute.make_rmem_tensor(cute.make_layout((trips, 4), stride=(4, 1)), Uint32)
         prenorm_words.fill(Uint32(0))
-        kept = cute.make_rmem_tensor(cute.make_layout((1, waves, 4), stride=(waves * 4, 4, 1)), Uint32)
         total = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
         for trip in cutlass.range_constexpr(trips):
             fragment = base_fragment + trip * config.fragment_stride
             active = fragment < config.fragments
-            protocol.poll_slots(
-                kept, mailbox_base, stage, token, token, fragment, lane, active, 1, tp, lanes, capacity, hidden,
+            protocol.poll_and_sum(
+                total, mailbox_base, stage, token, fragment, lane, active, tp, lanes, capacity, hidden,
                 spin_limit_ns, error_flag,
             )  # fmt: skip
-            cute.arch.sync_warp()
-            total.store(protocol.lane_sum(kept, 0, waves))
-            protocol.sum_over_lanes(total, lanes)
             if active & leader:
                 # The all-reduced sublayer output is BF16, as the unfused collective returns it.
                 reduced = total.load().to(BFloat16).to(Float32)

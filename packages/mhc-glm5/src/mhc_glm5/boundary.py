@@ -125,6 +125,9 @@ def collapse_streams(stream: cute.TensorSSA, pre: Float32) -> cute.TensorSSA:
 
 
 class BoundaryKernel(DeviceKernel):
+    """One cluster per ``config.tokens`` tokens (1 here; ``GroupBoundaryKernel`` takes more and
+    overrides ``kernel`` and ``shared_bytes``)."""
+
     name = "boundary"
     config_type = BoundaryConfig
 
@@ -139,15 +142,18 @@ class BoundaryKernel(DeviceKernel):
         config = self.config
         self.kernel(
             residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input, prefetch,
-            mailbox, stage_state, capacity, spin_limit_ns, error_flag,
+            mailbox, stage_state, capacity, spin_limit_ns, error_flag, m,
         ).launch(
-            grid=(m, config.cluster_size, 1),
+            grid=((m + config.tokens - 1) // config.tokens, config.cluster_size, 1),
             block=(config.threads, 1, 1),
             cluster=(1, config.cluster_size, 1),
-            smem=boundary_shared_bytes(config.hidden, config.cluster_size),
+            smem=self.shared_bytes(),
             stream=stream,
             use_pdl=True,
         )  # fmt: skip
+
+    def shared_bytes(self) -> int:
+        return boundary_shared_bytes(self.config.hidden, self.config.cluster_size)
 
     @cute.kernel
     def kernel(
@@ -168,10 +174,10 @@ class BoundaryKernel(DeviceKernel):
         capacity: Int32,
         spin_limit_ns: Int64,
         error_flag: Int64,
+        m: Int32,
     ):
         config = self.config
         hidden, tp, cluster = config.hidden, config.tp, config.cluster_size
-        waves = protocol.rank_waves(tp, HC)
         tidx, _, _ = cute.arch.thread_idx()
         token, _, _ = cute.arch.block_idx()
         cluster_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
@@ -194,16 +200,12 @@ class BoundaryKernel(DeviceKernel):
 
         cute.arch.griddepcontrol_wait()
         stage = protocol.active_stage(stage_state)
-        kept = cute.make_rmem_tensor(cute.make_layout((1, waves, 4), stride=(waves * 4, 4, 1)), Uint32)
         mailbox_base = mailbox.iterator.toint()
-        protocol.poll_slots(
-            kept, mailbox_base, stage, token, token, fragment, lane, True, 1, tp, HC, capacity, hidden,
+        reduced = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
+        protocol.poll_and_sum(
+            reduced, mailbox_base, stage, token, fragment, lane, True, tp, HC, capacity, hidden,
             spin_limit_ns, error_flag,
         )  # fmt: skip
-        cute.arch.sync_warp()
-        reduced = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
-        reduced.store(protocol.lane_sum(kept, 0, waves))
-        protocol.sum_over_lanes(reduced, HC)
         protocol.advance_stage(stage_state, stage, (token == 0) & (cluster_rank == 0) & (tidx == 0))
         cute.arch.griddepcontrol_launch_dependents()
         protocol.rearm_slots(mailbox_base, stage, token, token, fragment, lane, True, 1, tp, HC, capacity, hidden)

@@ -24,15 +24,13 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
 from mhc_core import protocol, ptx, reduce
-from mhc_core.compiler import DeviceKernel
 from mhc_core.constants import VEC_BF16, WARP_SIZE
-from mhc_core.signature import Signature
 
-from .boundary import BoundaryConfig, boundary_signature, collapse_streams, gemv_partials, load_fn_rows, pre_mix
+from .boundary import BoundaryConfig, BoundaryKernel, collapse_streams, gemv_partials, load_fn_rows, pre_mix
 from .config import HC, MIX, MIX_INPUTS, VALUES, grouped_shared_bytes
 
 
-class GroupBoundaryKernel(DeviceKernel):
+class GroupBoundaryKernel(BoundaryKernel):
     name = "boundary_grouped"
     config_type = BoundaryConfig
 
@@ -43,26 +41,8 @@ class GroupBoundaryKernel(DeviceKernel):
             raise ValueError("the 25 reduced values must fit one warp reduce-scatter")
         super().__init__(config)
 
-    def signature(self) -> Signature:
-        return boundary_signature()
-
-    @cute.jit
-    def __call__(
-        self, residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input, prefetch,
-        mailbox, stage_state, capacity, spin_limit_ns, error_flag, m, stream,
-    ):  # fmt: skip
-        config = self.config
-        self.kernel(
-            residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input, prefetch,
-            mailbox, stage_state, capacity, spin_limit_ns, error_flag, m,
-        ).launch(
-            grid=((m + config.tokens - 1) // config.tokens, config.cluster_size, 1),
-            block=(config.threads, 1, 1),
-            cluster=(1, config.cluster_size, 1),
-            smem=grouped_shared_bytes(config.hidden, config.cluster_size, config.tokens),
-            stream=stream,
-            use_pdl=True,
-        )  # fmt: skip
+    def shared_bytes(self) -> int:
+        return grouped_shared_bytes(self.config.hidden, self.config.cluster_size, self.config.tokens)
 
     @cute.kernel
     def kernel(
