@@ -9,7 +9,6 @@ ACTIVE_STAGE = 1
 
 #: BF16 elements per 16-byte fragment, the unit every kernel moves.
 VEC_BF16 = 8
-FRAGMENT_BYTES = 16
 WARP_SIZE = 32
 
 #: BF16 negative zero, the "empty slot" sentinel, as one half and as a bf16x2 word.

@@ -8,7 +8,6 @@ The code generator adds the file and the preset's name.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 from .constants import SUPPORTED_ARCHS, VEC_BF16
 
@@ -89,7 +88,3 @@ def require_name(value: object) -> None:
 def module_name(preset_name: str) -> str:
     """The generated module's name for a preset name: ``h200-tp2-h4096`` -> ``h200_tp2_h4096``."""
     return preset_name.replace("-", "_")
-
-
-def as_tuple(values: Iterable[object]) -> tuple:
-    return tuple(tuple(v) if isinstance(v, list) else v for v in values)

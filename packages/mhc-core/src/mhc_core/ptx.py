@@ -30,7 +30,6 @@ PTX_MULTIMEM_STORE_BF16X8 = "multimem.st.relaxed.sys.global.v4.bf16x2 [$0], {$1,
 PTX_LOAD_VOLATILE_U32 = "ld.volatile.global.u32 $0, [$1];"
 PTX_STORE_U32 = "st.global.u32 [$0], $1;"
 PTX_STORE_SYSTEM_U32 = "st.relaxed.sys.global.u32 [$0], $1;"
-PTX_LOAD_U64 = "ld.global.nc.u64 $0, [$1];"
 
 
 def _value(x, loc, ip) -> ir.Value:
@@ -94,23 +93,6 @@ def load_volatile_u32(address: Int64, *, loc=None, ip=None) -> Uint32:
             PTX_LOAD_VOLATILE_U32,
             "=r,l,~{memory}",
             has_side_effects=True,
-            asm_dialect=0,
-            loc=loc,
-            ip=ip,
-        )
-    )
-
-
-@dsl_user_op
-def load_u64(address: Int64, *, loc=None, ip=None) -> Int64:
-    """A read-only 64-bit load (a peer's mailbox base address)."""
-    return Int64(
-        llvm.inline_asm(
-            T.i64(),
-            [_value(Int64(address), loc, ip)],
-            PTX_LOAD_U64,
-            "=l,l",
-            has_side_effects=False,
             asm_dialect=0,
             loc=loc,
             ip=ip,

@@ -20,19 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import cuda.bindings.driver as cuda
-import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor, make_fake_stream, make_ptr
-
-TORCH_TO_CUTE = {
-    torch.bfloat16: cutlass.BFloat16,
-    torch.float32: cutlass.Float32,
-    torch.int32: cutlass.Int32,
-    torch.int64: cutlass.Int64,
-    torch.int16: cutlass.Int16,
-    torch.uint8: cutlass.Uint8,
-}
 
 
 @dataclass(frozen=True)

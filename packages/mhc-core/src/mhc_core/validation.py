@@ -28,12 +28,6 @@ def check_int(name: str, value: object, *, minimum: int | None = None, maximum: 
     return value
 
 
-def check_choice(name: str, value: object, choices: Sequence[object]) -> object:
-    if value not in choices:
-        raise ValueError(f"{name}: expected one of {tuple(choices)}, got {value!r}")
-    return value
-
-
 def check_positive_float(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name}: expected a float, got {type(value).__name__} {value!r}")
