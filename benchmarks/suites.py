@@ -7,6 +7,7 @@ the copy bandwidth measured in the same run.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -172,18 +173,11 @@ def glm5_thresholds(ctx: Context, ms: list[int], hidden: int = 4096, sizes=(1, 2
     preset = presets.get(f"h200-tp{ctx.tp}-h{hidden}").PRESET
     records = []
     for tokens in sizes:
-        op = AllReduceMhcBoundary(
-            hidden_size=hidden,
+        thresholds = ((1, tokens),) if tokens > 1 else ()
+        op = AllReduceMhcBoundary.from_config(
+            dataclasses.replace(preset, cluster_tokens=thresholds),
             max_num_tokens=max(ms),
-            rms_eps=preset.rms_eps,
-            hc_eps=preset.hc_eps,
-            post_mult=preset.post_mult,
-            sinkhorn_repeat=preset.sinkhorn_repeat,
-            norm_eps=preset.norm_eps,
             device="cuda",
-            top_k=preset.top_k,
-            cluster_size=preset.cluster_size,
-            cluster_tokens=[[1, tokens]] if tokens > 1 else None,
             group=ctx.group,
         )
         for m in ms:

@@ -112,6 +112,29 @@ def build_ranks(tp: int, factory: Callable[[Any], Any], device: str = "cuda") ->
     return group.build(factory)
 
 
+_RANKS: dict[tuple, list] = {}
+
+
+def cached_ranks(key: tuple, tp: int, factory: Callable[[Any], Any]) -> list[Any]:
+    """``build_ranks`` once per ``key`` for the whole session: compiles and mailboxes are reused."""
+    if key not in _RANKS:
+        _RANKS[key] = build_ranks(tp, factory)
+    return _RANKS[key]
+
+
+def all_reduce_ranks(tp: int, hidden: int, *, capacity: int, top_k: int = 0, lanes: int = 1) -> list[Any]:
+    """``LamportAllReduce`` on every rank (cached): the protocol alone, or the reduced x a fused op must see."""
+    from mhc_core import LamportAllReduce
+
+    return cached_ranks(
+        ("all-reduce", tp, hidden, capacity, top_k, lanes),
+        tp,
+        lambda group: LamportAllReduce(
+            hidden_size=hidden, max_num_tokens=capacity, device="cuda", group=group, top_k=top_k, lanes=lanes
+        ),
+    )
+
+
 def run_ranks(ops: Sequence[Any], method: str, args: Sequence[Sequence[Any]], kwargs=None) -> list[Any]:
     import mhc_core
 

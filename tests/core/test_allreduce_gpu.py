@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from tests.support import (
+    all_reduce_ranks,
     assert_bitwise_equal,
     bf16_randn,
-    build_ranks,
     is_poisoned,
     negative_zeros,
     poisoned,
@@ -21,21 +21,9 @@ CAPACITY = 160
 TPS = (1, 2, 4, 8)
 HIDDENS = (2560, 4096, 4608, 7168)
 
-_OPS: dict[tuple, list] = {}
-
 
 def all_reduce_ops(tp: int, hidden: int, *, lanes: int = 1, capacity: int = CAPACITY) -> list:
-    from mhc_core import LamportAllReduce
-
-    key = (tp, hidden, lanes, capacity)
-    if key not in _OPS:
-        _OPS[key] = build_ranks(
-            tp,
-            lambda group: LamportAllReduce(
-                hidden_size=hidden, max_num_tokens=capacity, device="cuda", group=group, lanes=lanes
-            ),
-        )
-    return _OPS[key]
+    return all_reduce_ranks(tp, hidden, capacity=capacity, lanes=lanes)
 
 
 def check_all_reduce(ops: list, partials: list[torch.Tensor], lanes: int = 1) -> list[torch.Tensor]:

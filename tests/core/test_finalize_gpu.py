@@ -5,25 +5,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support import assert_bitwise_equal, assert_within, bf16_randn, bf16_ulp, build_ranks, poisoned, run_ranks
+from tests.support import (
+    all_reduce_ranks,
+    assert_bitwise_equal,
+    assert_within,
+    bf16_randn,
+    bf16_ulp,
+    poisoned,
+    run_ranks,
+)
 
 pytestmark = pytest.mark.gpu
 
 HIDDEN, TOP_K, CAPACITY = 4608, 8, 96
-_OPS: dict[int, list] = {}
 
 
 def finalize_ops(tp: int) -> list:
-    from mhc_core import LamportAllReduce
-
-    if tp not in _OPS:
-        _OPS[tp] = build_ranks(
-            tp,
-            lambda group: LamportAllReduce(
-                hidden_size=HIDDEN, max_num_tokens=CAPACITY, device="cuda", group=group, top_k=TOP_K
-            ),
-        )
-    return _OPS[tp]
+    return all_reduce_ranks(tp, HIDDEN, capacity=CAPACITY, top_k=TOP_K)
 
 
 def make_moe(m: int, weight_dtype: torch.dtype, generator: torch.Generator):

@@ -7,14 +7,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support import assert_bitwise_equal, assert_within, bf16_randn, build_ranks, poison, poisoned, run_ranks
+from tests.support import (
+    all_reduce_ranks,
+    assert_bitwise_equal,
+    assert_within,
+    bf16_randn,
+    cached_ranks,
+    poison,
+    poisoned,
+    run_ranks,
+)
 from tests.tolerances import dsv41_collapse_error, post_mix_tolerance, rms_norm_tolerance
 
 pytestmark = pytest.mark.gpu
 
 CAPACITY = 160
 NORM_EPS = 1e-6
-_OPS: dict[str, list] = {}
 
 
 def preset_names() -> list[str]:
@@ -23,30 +31,15 @@ def preset_names() -> list[str]:
     return [name for name in presets.names() if name.startswith(("h200-", "gb300-", "test-"))]
 
 
-def all_reduce_ops(tp: int, hidden: int, top_k: int) -> list:
-    from mhc_core import LamportAllReduce
-
-    key = f"all-reduce-{tp}-{hidden}-{top_k}"
-    if key not in _OPS:
-        _OPS[key] = build_ranks(
-            tp,
-            lambda group: LamportAllReduce(
-                hidden_size=hidden, max_num_tokens=CAPACITY, device="cuda", group=group, top_k=top_k
-            ),
-        )
-    return _OPS[key]
-
-
 def ops_for(name: str) -> list:
     from mhc_dsv41 import AllReduceMHC, presets
 
-    if name not in _OPS:
-        preset = presets.get(name).PRESET
-        _OPS[name] = build_ranks(
-            preset.tp,
-            lambda group: AllReduceMHC.from_config(preset, max_num_tokens=CAPACITY, device="cuda", group=group),
-        )
-    return _OPS[name]
+    preset = presets.get(name).PRESET
+    return cached_ranks(
+        ("dsv41", name, CAPACITY),
+        preset.tp,
+        lambda group: AllReduceMHC.from_config(preset, max_num_tokens=CAPACITY, device="cuda", group=group),
+    )
 
 
 def inputs(m: int, hc: int, hidden: int, generator: torch.Generator, *, post_3d: bool, negative_zero: bool):
@@ -106,7 +99,8 @@ def run_case(ops, m: int, generator: torch.Generator, *, finalize: bool, post_3d
         # The kernel's reduced x: the same finalize publish and the same rank-order FP32
         # sum run by LamportAllReduce (bit-identical; checked against the reference with
         # its own tolerance in tests/core/test_finalize_gpu.py).
-        reduced = run_ranks(all_reduce_ops(tp, hidden, top_k), "call", [(mo,) for mo in moes])[0]
+        all_reduce = all_reduce_ranks(tp, hidden, capacity=CAPACITY, top_k=top_k)
+        reduced = run_ranks(all_reduce, "call", [(mo,) for mo in moes])[0]
         check_outputs(results, reduced, residual, post, comb, pre, weight)
         return
     partials = [bf16_randn(m, hidden, generator=generator) for _ in range(tp)]

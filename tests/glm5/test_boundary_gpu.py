@@ -5,16 +5,26 @@ and CUDA-graph replays."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from tests.glm5.checks import HC, boundary_inputs, check_boundary
-from tests.support import assert_within, bf16_randn, build_ranks, is_poisoned, poison, poisoned, run_ranks
+from tests.support import (
+    all_reduce_ranks,
+    assert_within,
+    bf16_randn,
+    cached_ranks,
+    is_poisoned,
+    poison,
+    poisoned,
+    run_ranks,
+)
 
 pytestmark = pytest.mark.gpu
 
 CAPACITY = 1032
-_OPS: dict[str, list] = {}
 
 
 def preset_names() -> list[str]:
@@ -26,28 +36,17 @@ def preset_names() -> list[str]:
 def ops_for(name: str) -> list:
     from mhc_glm5 import AllReduceMhcBoundary, presets
 
-    if name not in _OPS:
-        preset = presets.get(name).PRESET
-        _OPS[name] = build_ranks(
-            preset.tp,
-            lambda group: AllReduceMhcBoundary.from_config(preset, max_num_tokens=CAPACITY, device="cuda", group=group),
-        )
-    return _OPS[name]
+    preset = presets.get(name).PRESET
+    return cached_ranks(
+        ("glm5", name, CAPACITY),
+        preset.tp,
+        lambda group: AllReduceMhcBoundary.from_config(preset, max_num_tokens=CAPACITY, device="cuda", group=group),
+    )
 
 
 def all_reduce_ops(tp: int, hidden: int, top_k: int) -> list:
     """LamportAllReduce with the boundary's summation tree (4 rank lanes) and finalize publish."""
-    from mhc_core import LamportAllReduce
-
-    key = f"all-reduce-{tp}-{hidden}-{top_k}"
-    if key not in _OPS:
-        _OPS[key] = build_ranks(
-            tp,
-            lambda group: LamportAllReduce(
-                hidden_size=hidden, max_num_tokens=CAPACITY, device="cuda", group=group, top_k=top_k, lanes=4
-            ),
-        )
-    return _OPS[key]
+    return all_reduce_ranks(tp, hidden, capacity=CAPACITY, top_k=top_k, lanes=4)
 
 
 def poisoned_outputs(m: int, hidden: int) -> tuple:
@@ -170,18 +169,9 @@ def _op_with_tokens(preset, tokens: int):
     """A tp = 1 op of ``preset`` whose thresholds send every M to ``tokens`` tokens per cluster."""
     from mhc_glm5 import AllReduceMhcBoundary
 
-    return AllReduceMhcBoundary(
-        hidden_size=preset.hidden,
-        max_num_tokens=16,
-        rms_eps=preset.rms_eps,
-        hc_eps=preset.hc_eps,
-        post_mult=preset.post_mult,
-        sinkhorn_repeat=preset.sinkhorn_repeat,
-        norm_eps=preset.norm_eps,
-        device="cuda",
-        top_k=preset.top_k,
-        cluster_size=preset.cluster_size,
-        cluster_tokens=[[1, tokens]] if tokens > 1 else None,
+    thresholds = ((1, tokens),) if tokens > 1 else ()
+    return AllReduceMhcBoundary.from_config(
+        dataclasses.replace(preset, cluster_tokens=thresholds), max_num_tokens=16, device="cuda"
     )
 
 
