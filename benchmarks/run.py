@@ -1,6 +1,6 @@
 """Run the benchmarks and print their tables (``nox -s bench`` wraps this).
 
-    python3 -m benchmarks.run [--suite core dsv41 glm5 glm5-thresholds] [--out DIR]
+    python3 -m benchmarks.run [--suite core dsv41 glm5 glm5-thresholds glm5-breakdown] [--out DIR]
     python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m benchmarks.run   # real tp 2
 
 Under torchrun the suites run over a real NCCL group (unicast Lamport; NVLink
@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from . import report, suites  # noqa: E402
 from .harness import copy_bandwidth_bytes_per_us, device_description  # noqa: E402
 
-SUITES = ("core", "dsv41", "glm5", "glm5-thresholds")
+SUITES = ("core", "dsv41", "glm5", "glm5-thresholds", "glm5-breakdown")
 DEFAULT_M = (1, 8, 64, 256, 1024)
 THRESHOLD_M = (8, 16, 32, 64, 128, 256, 512, 1024)
 
@@ -91,6 +91,8 @@ def main() -> int:
             records += suites.dsv41_suite(ctx, options.m)
         elif suite == "glm5":
             records += suites.glm5_suite(ctx, options.m)
+        elif suite == "glm5-breakdown":
+            records += suites.glm5_breakdown(ctx, options.m)
         else:
             records += suites.glm5_thresholds(ctx, list(THRESHOLD_M))
         if rank == 0:

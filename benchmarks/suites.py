@@ -166,7 +166,7 @@ def glm5_suite(ctx: Context, ms: list[int], hidden: int = 4096) -> list[Record]:
     return records
 
 
-def glm5_thresholds(ctx: Context, ms: list[int], hidden: int = 4096, sizes=(1, 2, 4, 8)) -> list[Record]:
+def glm5_thresholds(ctx: Context, ms: list[int], hidden: int = 4096, sizes=(1, 2, 4, 8, 16)) -> list[Record]:
     """Every tokens-per-cluster size at every M, to choose ``cluster_tokens``."""
     from mhc_glm5 import AllReduceMhcBoundary, presets
 
@@ -190,6 +190,39 @@ def glm5_thresholds(ctx: Context, ms: list[int], hidden: int = 4096, sizes=(1, 2
 
             floor = glm5_bytes(m, hidden) / ctx.bandwidth
             records.append(Record("glm5-thresholds", ctx.tp, m, f"x{tokens}", ctx.time(fused), floor))
+    return records
+
+
+def glm5_breakdown(ctx: Context, ms: list[int], hidden: int = 4096) -> list[Record]:
+    """Where a fused GLM call spends its time: publish + boundary alone (no side-stream mixes)
+    beside the whole call joined; the difference is what the mixes add to the critical path."""
+    from mhc_glm5 import AllReduceMhcBoundary
+
+    preset = f"h200-tp{ctx.tp}-h{hidden}"
+    op = AllReduceMhcBoundary.from_preset(preset, max_num_tokens=max(ms), device="cuda", group=ctx.group)
+    records = []
+    for m in ms:
+        x, args = bf16(m, hidden), glm5_inputs(m, hidden)
+        tokens = op.tokens_per_cluster(m)
+
+        def call(op=op, x=x, args=args):
+            op(x, *args)
+            op.join()
+
+        def publish_boundary(op=op, x=x, args=args, m=m, tokens=tokens):
+            residual, post, comb, fn, scale, base, weight = args
+            op.publish(x)
+            op._pending_m = None  # the boundary below consumes this publish
+            op._boundaries[tokens](
+                residual=residual, post=post, comb=comb, fn=fn, scale=scale, base=base, gamma=weight,
+                residual_out=torch.empty_like(residual), mixes_out=op.raw_mixes,
+                layer_input=torch.empty_like(x), prefetch=1, m=m,
+            )  # fmt: skip
+
+        floor = glm5_bytes(m, hidden) / ctx.bandwidth
+        records.append(Record("glm5-breakdown", ctx.tp, m, f"call + join (x{tokens})", ctx.time(call), floor))
+        records.append(Record("glm5-breakdown", ctx.tp, m, "publish + boundary", ctx.time(publish_boundary), floor))
+        op._ready_flags.zero_()  # no mixes kernel consumed the ready flags the boundaries set
     return records
 
 

@@ -16,7 +16,7 @@ from tests.codegen.support import make_root, repo_presets, snapshot, write_prese
 
 DSV = "dsv41.gb300-tp4-h5120"  # explicit geometry: hidden 5120, hc 4, tp 4, 5 x 128 threads, 1 lane
 DSV_DEFAULTS = "dsv41.h200-tp4-h5120"  # geometry left to default_geometry
-GLM = "glm5.h200-tp4-h4096"  # hidden 4096, tp 4, cluster 8 (256 threads), [[64, 4], [256, 8]]
+GLM = "glm5.h200-tp4-h4096"  # hidden 4096, tp 4, cluster 8 (256 threads)
 DELETE = object()
 
 ARCHS = "('sm_90a', 'sm_100a', 'sm_103a')"
@@ -200,37 +200,30 @@ def test_rule(case: str, workdir: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert run_bad(workdir, document, capsys) == [f"error: presets.toml: [{section}] {message}"]
 
 
-@pytest.mark.parametrize(
-    ("changes", "message"),
-    [
-        # 224 threads (hidden 3584, cluster 8) cannot hold 32 tokens x 8 peers.
-        (
-            {"hidden": 3584, "cluster_tokens": [[64, 4], [256, 32]]},
-            "key 'cluster_tokens': threads = 224 must be >= tokens_per_cluster x cluster_size (32 x 8); got 32",
-        ),
-        # hidden 8192 on 4 CTAs: 32 tokens stage 512 KiB of residual fragments.
-        (
-            {"hidden": 8192, "cluster_size": 4, "cluster_tokens": [[64, 4], [256, 32]]},
-            "key 'cluster_tokens': 32 tokens per cluster need 649856 bytes of shared memory, more than 232448; got 32",
-        ),
-    ],
-    ids=["glm-threads-per-token-and-peer", "glm-grouped-shared-memory"],
-)
-def test_grouped_rules(
-    changes: dict[str, Any], message: str, workdir: Path, capsys: pytest.CaptureFixture[str], monkeypatch
-) -> None:
-    """The grouped kernel's thread and shared-memory rules.
-
-    The register limit on tokens per cluster (``MAX_TOKENS_PER_CLUSTER``) keeps every
-    preset within both today; lifted to 32 (its earlier value) they are what stops a table.
-    """
+def test_grouped_shared_memory_rule(workdir: Path, capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    """The grouped kernels' shared-memory rule. Today's token limits keep every preset within it;
+    with 32 tokens on tensor cores allowed, hidden 6144 stages too much."""
     import mhc_glm5.config
+    from mhc_glm5.config import mma_shared_bytes
 
-    monkeypatch.setattr(mhc_glm5.config, "MAX_TOKENS_PER_CLUSTER", 32)
+    monkeypatch.setattr(mhc_glm5.config, "MMA_TOKENS", (8, 16, 32))
     monkeypatch.setattr(mhc_glm5.config, "GROUPED_MAX_THREADS", 1024)
     document = repo_presets()
-    apply(document, GLM, changes)
-    assert run_bad(workdir, document, capsys) == [f"error: presets.toml: [{GLM}] {message}"]
+    apply(document, GLM, {"hidden": 6144, "cluster_tokens": [[64, 4], [256, 32]]})
+    assert run_bad(workdir, document, capsys) == [
+        f"error: presets.toml: [{GLM}] key 'cluster_tokens': 32 tokens per cluster need "
+        f"{mma_shared_bytes(6144, 8, 32)} bytes of shared memory, more than 232448; got 32"
+    ]
+
+
+def test_tensor_core_threads_rule(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The tensor-core kernel runs a warp per 4 fragments: 1024 threads elsewhere become 2048."""
+    document = repo_presets()
+    apply(document, GLM, {"hidden": 8192, "cluster_size": 4, "cluster_tokens": [[64, 8]]})
+    assert run_bad(workdir, document, capsys) == [
+        f"error: presets.toml: [{GLM}] key 'cluster_tokens': 8 tokens per cluster use the tensor-core kernel, "
+        "one warp per 4 fragments: 2048 threads > 1024 (raise cluster_size); got 8"
+    ]
 
 
 def test_grouped_register_rule(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -243,15 +236,13 @@ def test_grouped_register_rule(workdir: Path, capsys: pytest.CaptureFixture[str]
     ]
 
 
-def test_tokens_per_cluster_limit(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from mhc_glm5.config import MAX_TOKENS_PER_CLUSTER
-
+@pytest.mark.parametrize("tokens", (5, 17))
+def test_tokens_per_cluster_limit(tokens: int, workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     document = repo_presets()
-    too_many = MAX_TOKENS_PER_CLUSTER + 1
-    apply(document, GLM, {"cluster_tokens": [[64, 4], [256, too_many]]})
+    apply(document, GLM, {"cluster_tokens": [[64, 4], [256, tokens]]})
     assert run_bad(workdir, document, capsys) == [
-        f"error: presets.toml: [{GLM}] key 'cluster_tokens': tokens_per_cluster must be in "
-        f"1..{MAX_TOKENS_PER_CLUSTER}; got (256, {too_many})"
+        f"error: presets.toml: [{GLM}] key 'cluster_tokens': tokens_per_cluster must be in 1..4 (CUDA-core GEMV) "
+        f"or one of (8, 16) (tensor cores); got (256, {tokens})"
     ]
 
 

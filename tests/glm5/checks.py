@@ -27,9 +27,21 @@ def boundary_inputs(m: int, hidden: int, generator: torch.Generator, *, negative
 
 
 def gemv_depth(op) -> int:
-    """FP32 additions on the longest path of the kernels' GEMV trees: 8 per fragment, 5 over
-    a warp, one per warp, one per cluster peer."""
-    return 8 + 5 + op.preset.threads // 32 + op.preset.cluster_size
+    """FP32 additions on the longest path of the op's GEMV trees (the deepest of its kernels).
+
+    CUDA-core kernels: 8 per fragment, 5 over a warp, one per warp, one per cluster peer.
+    Tensor-core kernel (8 / 16 tokens per cluster): ``mma.sync`` does not document the order
+    or rounding of its internal sum, so every one of its 16 products plus the accumulator
+    counts as an add, doubled for truncation instead of rounding to nearest, over the 16
+    MMAs of a warp (8 fragments x 2 k-halves); then one per warp and one per cluster peer.
+    """
+    from mhc_glm5.config import MMA_TOKENS
+
+    warps, cluster = op.preset.threads // 32, op.preset.cluster_size
+    depth = 8 + 5 + warps + cluster
+    if any(tokens in MMA_TOKENS for tokens in op.preset.grouped_sizes):
+        depth = max(depth, 2 * 16 * 17 + warps + cluster)
+    return depth
 
 
 def check_boundary(op, results: list, reduced: torch.Tensor, args: dict, raw_mixes: list[torch.Tensor]) -> None:

@@ -136,42 +136,50 @@ def test_moe_input(name: str, weight_dtype: torch.dtype) -> None:
         run_and_check(ops, m, generator, moe_dtype=weight_dtype)
 
 
-def test_single_and_grouped_kernels_agree() -> None:
-    """The same tokens through the one-token and every grouped kernel (ops whose thresholds
-    send M = 9 to each): identical streams; raw mixes within the two-tree GEMV bound."""
+@pytest.mark.parametrize("tp", (1, 8))
+def test_single_and_grouped_kernels_agree(tp: int) -> None:
+    """The same tokens through the one-token and every grouped kernel (ops whose thresholds send
+    M = 9 to each; tp 8 over loopback): identical streams (the tensor-core kernel sums the ranks
+    in the same tree from one thread), raw mixes within the two-tree GEMV bound."""
     from mhc_glm5 import presets
     from tests.glm5.checks import gemv_depth
     from tests.tolerances import gemv_tolerance
 
-    preset = presets.get("h200-tp1-h4096").PRESET
-    generator = torch.Generator("cuda").manual_seed(17)
+    preset = presets.get(f"h200-tp{tp}-h4096").PRESET
+    generator = torch.Generator("cuda").manual_seed(17 + tp)
     m = 9
-    x = bf16_randn(m, preset.hidden, generator=generator)
+    partials = [bf16_randn(m, preset.hidden, generator=generator) for _ in range(tp)]
     args = boundary_inputs(m, preset.hidden, generator)
     results = {}
-    for tokens in (1, 2, 4, 8):
-        op = _op_with_tokens(preset, tokens)
-        assert op.tokens_per_cluster(m) == tokens
-        outputs = op(x, *args.values())
-        op.join()
+    for tokens in (1, 2, 4, 8, 16):
+        ops = _ops_with_tokens(preset, tokens)
+        assert ops[0].tokens_per_cluster(m) == tokens
+        outputs = run_ranks(ops, "call", [(x, *args.values()) for x in partials])
+        for op in ops:
+            op.join()
         torch.cuda.synchronize()
-        results[tokens] = (outputs, op.raw_mixes[:m].clone(), op)
-    single_outputs, single_raw, single_op = results[1]
+        for rank, rank_outputs in enumerate(outputs[1:], start=1):
+            assert torch.equal(rank_outputs[0], outputs[0][0]), f"{tokens} tokens per cluster: rank {rank} differs"
+        results[tokens] = (outputs[0], ops[0].raw_mixes[:m].clone(), ops[0])
+    single_outputs, single_raw, _ = results[1]
     streams = single_outputs[0].float().reshape(m, -1)
     rstd = torch.rsqrt((streams * streams).sum(-1, keepdim=True) / streams.shape[1] + preset.rms_eps)
-    tolerance = gemv_tolerance(single_outputs[0], args["fn"], rstd, gemv_depth(single_op))
+    tolerance = gemv_tolerance(single_outputs[0], args["fn"], rstd, gemv_depth(results[16][2]))
     for tokens, (outputs, raw, _) in results.items():
         assert torch.equal(outputs[0], single_outputs[0]), f"{tokens} tokens per cluster: residual_out differs"
         assert_within(raw, single_raw, tolerance, f"{tokens} tokens per cluster: raw mixes")
 
 
-def _op_with_tokens(preset, tokens: int):
-    """A tp = 1 op of ``preset`` whose thresholds send every M to ``tokens`` tokens per cluster."""
+def _ops_with_tokens(preset, tokens: int) -> list:
+    """Ops of ``preset`` (loopback ranks above tp 1) whose thresholds send every M to ``tokens``."""
     from mhc_glm5 import AllReduceMhcBoundary
 
     thresholds = ((1, tokens),) if tokens > 1 else ()
-    return AllReduceMhcBoundary.from_config(
-        dataclasses.replace(preset, cluster_tokens=thresholds), max_num_tokens=16, device="cuda"
+    single = dataclasses.replace(preset, cluster_tokens=thresholds)
+    return cached_ranks(
+        ("glm5-tokens", preset.name, tokens),
+        preset.tp,
+        lambda group: AllReduceMhcBoundary.from_config(single, max_num_tokens=16, device="cuda", group=group),
     )
 
 
@@ -244,3 +252,22 @@ def test_cuda_graph_replays(m: int) -> None:
         graph.replay()
         torch.cuda.synchronize()
         check_boundary(op, outs, reference.all_reduce(partials, lanes=4), args, [o.raw_mixes[:m].clone() for o in ops])
+
+
+def test_mixes_kernel_gives_up_on_a_flag_never_set() -> None:
+    """The side-stream mixes kernel waits for each token's ready flag with the op's spin bound:
+    a boundary that never ran makes it report and finish instead of hanging."""
+    from mhc_core import LamportTimeoutError
+    from mhc_glm5 import AllReduceMhcBoundary, presets
+
+    op = AllReduceMhcBoundary.from_config(
+        presets.get("h200-tp1-h4096").PRESET, max_num_tokens=8, device="cuda", spin_timeout_ms=50.0
+    )
+    scale, base = torch.ones(3, device="cuda"), torch.zeros(24, device="cuda")
+    post_out, comb_out = poisoned((3, HC, 1), torch.float32), poisoned((3, HC, HC), torch.float32)
+    torch.cuda.synchronize()
+    op._mixes(mixes=op.raw_mixes, scale=scale, base=base, post_out=post_out, comb_out=comb_out, m=3)
+    torch.cuda.synchronize()  # returns: the kernel gave up on its own
+    assert is_poisoned(post_out).all() and is_poisoned(comb_out).all()
+    with pytest.raises(LamportTimeoutError, match="ready flag"):
+        op.check()

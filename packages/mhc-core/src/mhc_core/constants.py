@@ -25,3 +25,5 @@ ERROR_CODE, ERROR_STAGE, ERROR_TOKEN, ERROR_DETAIL, ERROR_RANKS = 0, 1, 2, 3, 4
 ERROR_NONE = 0
 ERROR_SPIN_TIMEOUT = 1
 ERROR_ROUTE_INDEX = 2
+#: A side-stream kernel gave up waiting for a ready flag its main-stream kernel sets.
+ERROR_READY_TIMEOUT = 3

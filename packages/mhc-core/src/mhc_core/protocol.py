@@ -142,12 +142,16 @@ def poll_slots(
     hidden: cutlass.Constexpr[int],
     spin_limit_ns: Int64,
     error_flag: Int64,
+    token_step: cutlass.Constexpr[int] = 1,
+    fragment_step: cutlass.Constexpr[int] = 0,
 ) -> None:
-    """Poll this lane's ranks for ``tokens`` tokens until no -0 remains.
+    """Poll this lane's ranks for ``tokens`` slots until no -0 remains.
 
-    ``kept[t, w, :]`` receives the 4 words of token ``min(first + t, last)`` from
-    rank ``w * lanes + lane`` (zeros where that rank does not exist or the thread is
-    inactive). With ``spin_limit_ns > 0`` the loop gives up after that many
+    ``kept[t, w, :]`` receives the 4 words of fragment ``fragment + t * fragment_step``
+    of token ``min(first + t * token_step, last)`` from rank ``w * lanes + lane``
+    (zeros where that rank does not exist or the thread is inactive): several
+    tokens at one fragment (the default), or one token's consecutive fragments
+    (``token_step=0, fragment_step=1``). With ``spin_limit_ns > 0`` the loop gives up after that many
     nanoseconds of the global timer and records the ranks still missing in the
     host-mapped ``error_flag``: the kernel then finishes instead of hanging.
     """
@@ -158,12 +162,12 @@ def poll_slots(
     while dirty:
         dirty = Boolean(False)
         for t in cutlass.range_constexpr(tokens):
-            token = cutlass.min(first_token + t, last_token)
+            token = cutlass.min(first_token + t * token_step, last_token)
             for wave in cutlass.range_constexpr(waves):
                 source = lane + wave * lanes
                 if source < tp:
                     words = ptx.load_volatile_u32x4(
-                        mailbox + slot_bytes(stage, source, token, fragment, tp, capacity, hidden)
+                        mailbox + slot_bytes(stage, source, token, fragment + t * fragment_step, tp, capacity, hidden)
                     )
                     dirty = dirty | ptx.has_negative_zero(words)
                     kept[t, wave, None].store(words)
@@ -209,6 +213,33 @@ def lane_sum(kept: cute.Tensor, t: cutlass.Constexpr[int], waves: cutlass.Conste
     for wave in cutlass.range_constexpr(waves):
         total.store(total.load() + ptx.words_to_f32x8(kept[t, wave, None].load()))
     return total.load()
+
+
+@cute.jit
+def rank_tree_sum(
+    kept: cute.Tensor, t: cutlass.Constexpr[int], tp: cutlass.Constexpr[int], lanes: cutlass.Constexpr[int]
+) -> cute.TensorSSA:
+    """Every rank's fragment of slot ``t`` (``kept[t, rank, :]``, polled by one thread with
+    ``lanes=1``) summed in the tree of ``lanes`` rank lanes: each lane's ranks in wave order
+    from +0 (``lane_sum``), then the lanes pairwise (``sum_over_lanes``). Bit-identical to
+    that split: the skipped zero terms of missing ranks add +0 to a sum that is never -0.
+    """
+    partials = []
+    for lane in cutlass.range_constexpr(lanes):
+        total = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
+        total.fill(Float32(0.0))
+        for wave in cutlass.range_constexpr(rank_waves(tp, lanes)):
+            if cutlass.const_expr(lane + wave * lanes < tp):
+                total.store(total.load() + ptx.words_to_f32x8(kept[t, lane + wave * lanes, None].load()))
+        partials.append(total.load())
+    return _pairwise_sum(partials)
+
+
+def _pairwise_sum(values: list) -> cute.TensorSSA:
+    """``((v0 + v1) + (v2 + v3)) ...``: lane 0's view of the xor butterfly (plain Python, unrolled)."""
+    if len(values) == 1:
+        return values[0]
+    return _pairwise_sum([values[2 * k] + values[2 * k + 1] for k in range(len(values) // 2)])
 
 
 @cute.jit
@@ -267,12 +298,15 @@ def rearm_slots(
     lanes: cutlass.Constexpr[int],
     capacity: Int32,
     hidden: cutlass.Constexpr[int],
+    token_step: cutlass.Constexpr[int] = 1,
+    fragment_step: cutlass.Constexpr[int] = 0,
 ) -> None:
-    """Write the -0 sentinel back into every slot this lane polled."""
+    """Write the -0 sentinel back into every slot this lane polled (same steps as ``poll_slots``)."""
     if active:
         for t in cutlass.range_constexpr(tokens):
-            token = cutlass.min(first_token + t, last_token)
+            token = cutlass.min(first_token + t * token_step, last_token)
             for wave in cutlass.range_constexpr(rank_waves(tp, lanes)):
                 source = lane + wave * lanes
                 if source < tp:
-                    ptx.store_sentinel_u32x4(mailbox + slot_bytes(stage, source, token, fragment, tp, capacity, hidden))
+                    offset = slot_bytes(stage, source, token, fragment + t * fragment_step, tp, capacity, hidden)
+                    ptx.store_sentinel_u32x4(mailbox + offset)

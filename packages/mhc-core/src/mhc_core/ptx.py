@@ -30,6 +30,8 @@ PTX_MULTIMEM_STORE_BF16X8 = "multimem.st.relaxed.sys.global.v4.bf16x2 [$0], {$1,
 PTX_LOAD_VOLATILE_U32 = "ld.volatile.global.u32 $0, [$1];"
 PTX_STORE_U32 = "st.global.u32 [$0], $1;"
 PTX_STORE_SYSTEM_U32 = "st.relaxed.sys.global.u32 [$0], $1;"
+PTX_LOAD_ACQUIRE_U32 = "ld.acquire.gpu.global.u32 $0, [$1];"
+PTX_STORE_RELEASE_U32 = "st.release.gpu.global.u32 [$0], $1;"
 
 
 def _value(x, loc, ip) -> ir.Value:
@@ -42,8 +44,21 @@ def _words_ssa(struct: ir.Value, *, loc=None, ip=None) -> cute.TensorSSA:
     return cute.TensorSSA(vec, (4,), Uint32)
 
 
+def _elements(values: cute.TensorSSA, *, loc=None, ip=None) -> list[ir.Value]:
+    # A plain vector extract: ``values[k]`` builds layout arithmetic that the DSL may share
+    # between branches, which fails verification when a branch used it first.
+    vec = values.ir_value(loc=loc, ip=ip)
+    return [vector.extract(vec, [], [k], loc=loc, ip=ip) for k in range(values.shape[0])]
+
+
 def _word_values(words: cute.TensorSSA, *, loc=None, ip=None) -> list[ir.Value]:
-    return [Uint32(words[k]).ir_value(loc=loc, ip=ip) for k in range(4)]
+    return _elements(words, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def element(values: cute.TensorSSA, k: int, *, loc=None, ip=None):
+    """Element ``k`` of a small register vector (a fragment's word, an accumulator)."""
+    return values.dtype(_elements(values, loc=loc, ip=ip)[k])
 
 
 # --------------------------------------------------------------------------- loads
@@ -100,6 +115,23 @@ def load_volatile_u32(address: Int64, *, loc=None, ip=None) -> Uint32:
     )
 
 
+@dsl_user_op
+def load_acquire_u32(address: Int64, *, loc=None, ip=None) -> Uint32:
+    """A GPU-scope acquire load (a ready flag: what its releaser wrote before is visible after)."""
+    return Uint32(
+        llvm.inline_asm(
+            T.i32(),
+            [_value(Int64(address), loc, ip)],
+            PTX_LOAD_ACQUIRE_U32,
+            "=r,l,~{memory}",
+            has_side_effects=True,
+            asm_dialect=0,
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
 # -------------------------------------------------------------------------- stores
 @dsl_user_op
 def store_u32x4(address: Int64, words: cute.TensorSSA, *, loc=None, ip=None) -> None:
@@ -138,6 +170,21 @@ def store_u32(address: Int64, value: Uint32, *, loc=None, ip=None) -> None:
         None,
         [_value(Int64(address), loc, ip), _value(Uint32(value), loc, ip)],
         PTX_STORE_U32,
+        "l,r,~{memory}",
+        has_side_effects=True,
+        asm_dialect=0,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def store_release_u32(address: Int64, value: Uint32, *, loc=None, ip=None) -> None:
+    """A GPU-scope release store (sets a ready flag after this thread's writes)."""
+    llvm.inline_asm(
+        None,
+        [_value(Int64(address), loc, ip), _value(Uint32(value), loc, ip)],
+        PTX_STORE_RELEASE_U32,
         "l,r,~{memory}",
         has_side_effects=True,
         asm_dialect=0,
@@ -305,6 +352,40 @@ def dot_bf16x8(a: cute.TensorSSA, b: cute.TensorSSA, mixed_fma: cutlass.Constexp
     return _dot_bf16x8(a, b, PTX_DOT_BF16X8 if mixed_fma else PTX_DOT_BF16X8_WIDENED)
 
 
+#: One warp-wide tensor-core step: ``D[16, 8] = A[16, 16] @ B[16, 8] + C``, BF16 operands,
+#: FP32 accumulators (sm_80 on; the same instruction on sm_90 and sm_100).
+PTX_MMA_BF16_16816 = (
+    "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+    "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};"
+)
+
+
+@dsl_user_op
+def mma_bf16_16816(a: list, b: list, c: cute.TensorSSA, *, loc=None, ip=None) -> cute.TensorSSA:
+    """``mma.sync`` m16n8k16: ``a`` 4 words, ``b`` 2 words (packed BF16 pairs), ``c`` 4 FP32.
+
+    Lane ``l`` (group ``g = l / 4``, ``k = l % 4``) holds A rows ``g`` / ``g + 8`` at columns
+    ``2k, 2k + 1`` (words 0, 1) and ``2k + 8, 2k + 9`` (words 2, 3); B column ``g`` at rows
+    ``2k, 2k + 1`` (word 0) and ``2k + 8, 2k + 9`` (word 1); D rows ``g`` (values 0, 1) and
+    ``g + 8`` (values 2, 3) at columns ``2k, 2k + 1``. Every lane must execute it.
+    """
+    operands = [Uint32(w).ir_value(loc=loc, ip=ip) for w in (*a, *b)]
+    accumulators = _elements(c, loc=loc, ip=ip)
+    result = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * 4),
+        operands + accumulators,
+        PTX_MMA_BF16_16816,
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+        has_side_effects=False,
+        asm_dialect=0,
+        loc=loc,
+        ip=ip,
+    )
+    values = [llvm.extractvalue(T.f32(), result, [k], loc=loc, ip=ip) for k in range(4)]
+    vec = vector.from_elements(ir.VectorType.get([4], T.f32()), values, loc=loc, ip=ip)
+    return cute.TensorSSA(vec, (4,), Float32)
+
+
 # ------------------------------------------------------------------ shared memory
 @dsl_user_op
 def load_shared_u32x4(pointer: cute.Pointer, *, loc=None, ip=None) -> cute.TensorSSA:
@@ -317,6 +398,38 @@ def load_shared_u32x4(pointer: cute.Pointer, *, loc=None, ip=None) -> cute.Tenso
 def store_shared_u32x4(pointer: cute.Pointer, words: cute.TensorSSA, *, loc=None, ip=None) -> None:
     """One 16-byte store to shared memory."""
     cute.arch.store(pointer.llvm_ptr, words.ir_value(loc=loc, ip=ip), loc=loc, ip=ip)
+
+
+#: Asynchronous global -> shared copies (no registers; completed by ``cp.async.wait_group``):
+#: 16 bytes through L2 only (streamed fragments), 4 bytes through L1 (small FP32 rows).
+PTX_COPY_ASYNC_16 = "cp.async.cg.shared.global [$0], [$1], 16;"
+PTX_COPY_ASYNC_4 = "cp.async.ca.shared.global [$0], [$1], 4;"
+
+
+def _copy_async(shared: cute.Pointer, address: Int64, text: str, loc, ip) -> None:
+    destination = llvm.ptrtoint(T.i32(), shared.llvm_ptr, loc=loc, ip=ip)
+    llvm.inline_asm(
+        None,
+        [destination, _value(Int64(address), loc, ip)],
+        text,
+        "r,l,~{memory}",
+        has_side_effects=True,
+        asm_dialect=0,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def copy_async_16(shared: cute.Pointer, address: Int64, *, loc=None, ip=None) -> None:
+    """Start copying 16 bytes from global ``address`` to shared ``shared`` (both 16-byte aligned)."""
+    _copy_async(shared, address, PTX_COPY_ASYNC_16, loc, ip)
+
+
+@dsl_user_op
+def copy_async_4(shared: cute.Pointer, address: Int64, *, loc=None, ip=None) -> None:
+    """Start copying 4 bytes from global ``address`` to shared ``shared``."""
+    _copy_async(shared, address, PTX_COPY_ASYNC_4, loc, ip)
 
 
 # ----------------------------------------------------------------------- cluster

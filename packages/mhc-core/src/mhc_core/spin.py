@@ -24,6 +24,7 @@ from .constants import (
     ERROR_DETAIL,
     ERROR_NONE,
     ERROR_RANKS,
+    ERROR_READY_TIMEOUT,
     ERROR_ROUTE_INDEX,
     ERROR_SPIN_TIMEOUT,
     ERROR_STAGE,
@@ -101,6 +102,16 @@ class SpinGuard:
                 stage=words[ERROR_STAGE],
                 token=words[ERROR_TOKEN],
                 missing_ranks=missing,
+            )
+            self.failure = error
+            raise error
+        if code == ERROR_READY_TIMEOUT:
+            error = LamportTimeoutError(
+                f"the side-stream kernel timed out after {self.timeout_ms} ms waiting for token "
+                f"{words[ERROR_TOKEN]}'s ready flag (the main-stream kernel never set it)",
+                stage=-1,
+                token=words[ERROR_TOKEN],
+                missing_ranks=(),
             )
             self.failure = error
             raise error

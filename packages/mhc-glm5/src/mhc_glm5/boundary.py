@@ -28,6 +28,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 
 from mhc_core import protocol, ptx, reduce
+from mhc_core import ready as flag
 from mhc_core.collective import mailbox_params
 from mhc_core.compiler import DeviceKernel
 from mhc_core.constants import VEC_BF16, WARP_SIZE
@@ -80,6 +81,7 @@ def boundary_signature() -> Signature:
         Param("gamma", Ptr(BFloat16)),
         Param("residual_out", Ptr(BFloat16)),
         Param("mixes_out", Ptr(Float32, 4)),
+        Param("ready", Ptr(Int32, 4)),
         Param("layer_input", Ptr(BFloat16)),
         Param("prefetch", Scalar(Int32)),
         *mailbox_params(),
@@ -104,6 +106,16 @@ def gemv_partials(fn_rows: cute.Tensor, stream: cute.TensorSSA, mixed_fma: cutla
     partial = [ptx.dot_bf16x8(fn_rows[row, None].load(), stream, mixed_fma) for row in range(MIX)]
     partial.append(ptx.dot_bf16x8(stream, stream, mixed_fma))
     return partial
+
+
+@cute.jit
+def write_raw_mixes(totals: cute.Pointer, rstd: Float32, mixes_out: cute.Pointer, ready: cute.Pointer, token: Int32):
+    """One thread: the token's 24 raw mixes ``totals[r] * rstd``, then its ready flag for the
+    side-stream mixes kernel (``mhc_core.ready``)."""
+    row = mixes_out + Int64(token) * MIX
+    for r in cutlass.range_constexpr(MIX):
+        cute.arch.store((row + r).llvm_ptr, cute.arch.load((totals + r).llvm_ptr, Float32) * rstd)
+    flag.signal(ready.toint(), token)
 
 
 @cute.jit
@@ -136,16 +148,16 @@ class BoundaryKernel(DeviceKernel):
 
     @cute.jit
     def __call__(
-        self, residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input, prefetch,
-        mailbox, stage_state, capacity, spin_limit_ns, error_flag, m, stream,
+        self, residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, ready, layer_input,
+        prefetch, mailbox, stage_state, capacity, spin_limit_ns, error_flag, m, stream,
     ):  # fmt: skip
         config = self.config
         self.kernel(
-            residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input, prefetch,
+            residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, ready, layer_input, prefetch,
             mailbox, stage_state, capacity, spin_limit_ns, error_flag, m,
         ).launch(
             grid=((m + config.tokens - 1) // config.tokens, config.cluster_size, 1),
-            block=(config.threads, 1, 1),
+            block=(self.block_threads(), 1, 1),
             cluster=(1, config.cluster_size, 1),
             smem=self.shared_bytes(),
             stream=stream,
@@ -154,6 +166,9 @@ class BoundaryKernel(DeviceKernel):
 
     def shared_bytes(self) -> int:
         return boundary_shared_bytes(self.config.hidden, self.config.cluster_size)
+
+    def block_threads(self) -> int:
+        return self.config.threads
 
     @cute.kernel
     def kernel(
@@ -167,6 +182,7 @@ class BoundaryKernel(DeviceKernel):
         gamma: cute.Pointer,
         residual_out: cute.Pointer,
         mixes_out: cute.Pointer,
+        ready: cute.Pointer,
         layer_input: cute.Pointer,
         prefetch: Int32,
         mailbox: cute.Tensor,
@@ -238,9 +254,8 @@ class BoundaryKernel(DeviceKernel):
             cute.arch.load((totals + MIX).llvm_ptr, Float32) / Float32(HC * hidden) + Float32(config.rms_eps),
             fastmath=True,
         )
-        if (cluster_rank == 0) & (tidx < Int32(MIX)):
-            raw = cute.arch.load((totals + tidx).llvm_ptr, Float32) * rstd
-            cute.arch.store((mixes_out + Int64(token) * MIX + Int64(tidx)).llvm_ptr, raw)
+        if (cluster_rank == 0) & (tidx == 0):
+            write_raw_mixes(totals, rstd, mixes_out, ready, token)
         mix = cute.arch.load((totals + lane).llvm_ptr, Float32) * rstd
         prenorm_words = collapse_streams(stream_words, pre_mix(mix, scale, base, lane, Float32(config.hc_eps)))
 

@@ -11,7 +11,9 @@ so ``threads = hidden / 8 / cluster_size * 4``. The cluster reductions send one
 
 ``cluster_tokens`` is a list of ``(min_tokens, tokens_per_cluster)`` thresholds:
 a call with M tokens uses the entry with the largest ``min_tokens <= M`` (one
-token per cluster below the first).
+token per cluster below the first). 2-4 tokens per cluster run the CUDA-core
+grouped kernel (``mhc_glm5.grouped``), 8 or 16 the tensor-core one
+(``mhc_glm5.grouped_mma``: a warp per 4 fragments, ``mma_threads``).
 """
 
 from __future__ import annotations
@@ -40,11 +42,14 @@ MIX = 24
 VALUES = MIX + 1
 #: Per token, the grouped kernel stages post (4) and comb (16) in shared memory.
 MIX_INPUTS = HC + HC * HC
-#: The grouped kernel keeps every token's fragment words in registers next to the 24 fn
-#: rows: 8 tokens fit in 255 registers without spilling (ptxas, sm_90a and sm_100a); 16 spill.
-MAX_TOKENS_PER_CLUSTER = 8
-#: With more than 2 tokens per cluster the grouped kernel needs ~250 registers per thread:
-#: ptxas spills it at 288 threads (hidden 4608, cluster 8), not at 256.
+#: The CUDA-core grouped kernel (``mhc_glm5.grouped``) keeps every token's fragment words in
+#: registers next to the 24 fn rows; from 8 tokens the GEMV is the bottleneck and
+#: ``mhc_glm5.grouped_mma`` (tensor cores, 8 tokens per warp) takes over.
+MAX_FFMA_TOKENS = 4
+#: Tokens per cluster of the tensor-core kernel: one or two halves of 8 tokens per warp.
+MMA_TOKENS = (8, 16)
+#: With more than 2 tokens per cluster the CUDA-core grouped kernel needs ~250 registers per
+#: thread: ptxas spills it at 288 threads (hidden 4608, cluster 8), not at 256.
 GROUPED_MAX_THREADS = 256
 
 
@@ -69,6 +74,31 @@ def grouped_shared_bytes(hidden: int, cluster_size: int, tokens: int) -> int:
     return staged + floats * 4
 
 
+#: Fragments per warp of the tensor-core kernel: one per stream lane outside the MMA.
+MMA_FRAGMENTS_PER_WARP = HC
+
+
+def mma_threads(hidden: int, cluster_size: int) -> int:
+    """Tensor-core kernel: one warp per 4 fragments of the CTA (2x the other kernels' threads)."""
+    return hidden // VEC_BF16 // cluster_size // MMA_FRAGMENTS_PER_WARP * WARP_SIZE
+
+
+def mma_shared_bytes(hidden: int, cluster_size: int, tokens: int) -> int:
+    """Tensor-core kernel: residual fragments ``[fragment][source][token]``, mix inputs, reductions."""
+    fragments = hidden // VEC_BF16 // cluster_size
+    warps = mma_threads(hidden, cluster_size) // WARP_SIZE
+    staged = fragments * HC * tokens * 16
+    floats = tokens * (MIX_INPUTS + (warps + cluster_size + 1) * VALUES + warps + cluster_size)
+    return staged + floats * 4
+
+
+def grouped_kernel_shared_bytes(hidden: int, cluster_size: int, tokens: int) -> int:
+    """Shared memory of the kernel that serves ``tokens`` (> 1) tokens per cluster."""
+    if tokens in MMA_TOKENS:
+        return mma_shared_bytes(hidden, cluster_size, tokens)
+    return grouped_shared_bytes(hidden, cluster_size, tokens)
+
+
 def tokens_per_cluster(cluster_tokens: tuple[tuple[int, int], ...], m: int) -> int:
     """The entry with the largest threshold ``<= m``; 1 below the first."""
     chosen = 1
@@ -76,6 +106,13 @@ def tokens_per_cluster(cluster_tokens: tuple[tuple[int, int], ...], m: int) -> i
         if m >= threshold:
             chosen = tokens
     return chosen
+
+
+def grouped_kernel_path(tokens: int) -> str:
+    """``module:Class`` of the kernel serving ``tokens`` (> 1) tokens per cluster."""
+    if tokens in MMA_TOKENS:
+        return "mhc_glm5.grouped_mma:MmaGroupBoundaryKernel"
+    return "mhc_glm5.grouped:GroupBoundaryKernel"
 
 
 def thresholds_from_mapping(mapping: dict[int, int]) -> tuple[tuple[int, int], ...]:
@@ -103,9 +140,10 @@ def check_cluster_tokens(value: object) -> tuple[tuple[int, int], ...]:
         threshold, tokens = entry
         require(threshold >= 1, key, "min_tokens must be >= 1", entry)
         require(
-            1 <= tokens <= MAX_TOKENS_PER_CLUSTER,
+            1 <= tokens <= MAX_FFMA_TOKENS or tokens in MMA_TOKENS,
             key,
-            f"tokens_per_cluster must be in 1..{MAX_TOKENS_PER_CLUSTER}",
+            f"tokens_per_cluster must be in 1..{MAX_FFMA_TOKENS} (CUDA-core GEMV) or one of {MMA_TOKENS} "
+            "(tensor cores)",
             entry,
         )
         pairs.append((threshold, tokens))
@@ -163,21 +201,24 @@ class GLM5Preset:
             self.cluster_size,
         )
         object.__setattr__(self, "cluster_tokens", check_cluster_tokens(self.cluster_tokens))
+        # Every kernel has >= 25 x cluster_size threads, so one thread per (token, peer) of the second
+        # reduction (tokens <= 16) always exists.
         for _, tokens in self.cluster_tokens:
             require(
-                threads >= tokens * self.cluster_size,
+                tokens not in MMA_TOKENS or mma_threads(self.hidden, self.cluster_size) <= 1024,
                 "cluster_tokens",
-                f"threads = {threads} must be >= tokens_per_cluster x cluster_size ({tokens} x {self.cluster_size})",
+                f"{tokens} tokens per cluster use the tensor-core kernel, one warp per 4 fragments: "
+                f"{mma_threads(self.hidden, self.cluster_size)} threads > 1024 (raise cluster_size)",
                 tokens,
             )
             require(
-                tokens <= 2 or threads <= GROUPED_MAX_THREADS,
+                tokens <= 2 or tokens in MMA_TOKENS or threads <= GROUPED_MAX_THREADS,
                 "cluster_tokens",
                 f"more than 2 tokens per cluster need threads <= {GROUPED_MAX_THREADS} (above that ptxas "
                 f"spills the grouped kernel's registers); threads = {threads}",
                 tokens,
             )
-            shared = grouped_shared_bytes(self.hidden, self.cluster_size, tokens)
+            shared = grouped_kernel_shared_bytes(self.hidden, self.cluster_size, tokens)
             require(
                 shared <= MAX_SHARED_BYTES,
                 "cluster_tokens",
@@ -217,7 +258,8 @@ class GLM5Preset:
             "fragment_groups_per_cta": self.fragments // self.cluster_size,
             "shared_bytes": boundary_shared_bytes(self.hidden, self.cluster_size),
             "grouped_shared_bytes": {
-                tokens: grouped_shared_bytes(self.hidden, self.cluster_size, tokens) for tokens in self.grouped_sizes
+                tokens: grouped_kernel_shared_bytes(self.hidden, self.cluster_size, tokens)
+                for tokens in self.grouped_sizes
             },
             "publish_grid": f"(M, {-(-self.fragments // self.publish_threads)}, 1)",
             "publish_threads": self.publish_threads,
@@ -256,7 +298,7 @@ class GLM5Preset:
         specs["boundary"] = ("mhc_glm5.boundary:BoundaryKernel", self.boundary_config(arch))
         for tokens in self.grouped_sizes:
             specs[f"boundary_x{tokens}"] = (
-                "mhc_glm5.grouped:GroupBoundaryKernel",
+                grouped_kernel_path(tokens),
                 {**self.boundary_config(arch), "tokens": tokens},
             )
         specs["mixes"] = (

@@ -26,7 +26,15 @@ from cutlass import Float32, Int32, Int64, Uint32
 from mhc_core import protocol, ptx, reduce
 from mhc_core.constants import VEC_BF16, WARP_SIZE
 
-from .boundary import BoundaryConfig, BoundaryKernel, collapse_streams, gemv_partials, load_fn_rows, pre_mix
+from .boundary import (
+    BoundaryConfig,
+    BoundaryKernel,
+    collapse_streams,
+    gemv_partials,
+    load_fn_rows,
+    pre_mix,
+    write_raw_mixes,
+)
 from .config import HC, MIX, MIX_INPUTS, VALUES, grouped_shared_bytes
 
 
@@ -56,6 +64,7 @@ class GroupBoundaryKernel(BoundaryKernel):
         gamma: cute.Pointer,
         residual_out: cute.Pointer,
         mixes_out: cute.Pointer,
+        ready: cute.Pointer,
         layer_input: cute.Pointer,
         prefetch: Int32,
         mailbox: cute.Tensor,
@@ -187,9 +196,8 @@ class GroupBoundaryKernel(BoundaryKernel):
                 + Float32(config.rms_eps),
                 fastmath=True,
             )
-            if (cluster_rank == 0) & (tidx < Int32(MIX)) & (first + t <= last):
-                raw = cute.arch.load((totals + t * VALUES + tidx).llvm_ptr, Float32) * rstd
-                cute.arch.store((mixes_out + Int64(first + t) * MIX + Int64(tidx)).llvm_ptr, raw)
+            if (cluster_rank == 0) & (tidx == Int32(t)) & (first + t <= last):
+                write_raw_mixes(totals + t * VALUES, rstd, mixes_out, ready, first + t)
             mix = cute.arch.load((totals + t * VALUES + lane).llvm_ptr, Float32) * rstd
             prenorm_words = collapse_streams(kept[t, 0, None].load(), pre_mix(mix, scale, base, lane, hc_eps))
             kept[t, 0, None].store(prenorm_words)

@@ -5,6 +5,10 @@ turns a boundary's raw mixes into the next boundary's post-mix and residual mix.
 ``comb_out = sinkhorn(raw[8 + k] * scale[2] + base[8 + k], k = 0..15)``
 (``mhc_core.sinkhorn``). The grid has ``ceil(M / threads)`` CTAs: no one-CTA limit
 on ``max_num_tokens``.
+
+The op launches it alongside the boundary (``mhc_core.ready``): each thread waits for
+its token's ready flag, which the boundary sets right after writing that token's
+raw mixes, and clears it when done.
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from cutlass import Boolean, Float32, Int32, Int64
 
+from mhc_core import ready as flag
 from mhc_core.compiler import DeviceKernel
 from mhc_core.fastmath import sigmoid
 from mhc_core.signature import Param, Ptr, Scalar, Signature, Stream
@@ -42,14 +47,17 @@ class MixesKernel(DeviceKernel):
             Param("base", Ptr(Float32, 4)),
             Param("post_out", Ptr(Float32, 4)),
             Param("comb_out", Ptr(Float32, 4)),
+            Param("ready", Ptr(Int32, 4)),
+            Param("spin_limit_ns", Scalar(Int64)),
+            Param("error_flag", Scalar(Int64)),
             Param("m", Scalar(Int32)),
             Param("stream", Stream()),
         )
 
     @cute.jit
-    def __call__(self, mixes, scale, base, post_out, comb_out, m, stream):
+    def __call__(self, mixes, scale, base, post_out, comb_out, ready, spin_limit_ns, error_flag, m, stream):
         threads = self.config.threads
-        self.kernel(mixes, scale, base, post_out, comb_out, m).launch(
+        self.kernel(mixes, scale, base, post_out, comb_out, ready, spin_limit_ns, error_flag, m).launch(
             grid=((m + threads - 1) // threads, 1, 1), block=(threads, 1, 1), stream=stream
         )
 
@@ -61,27 +69,52 @@ class MixesKernel(DeviceKernel):
         base: cute.Pointer,
         post_out: cute.Pointer,
         comb_out: cute.Pointer,
+        ready: cute.Pointer,
+        spin_limit_ns: Int64,
+        error_flag: Int64,
         m: Int32,
     ):
         config = self.config
         tidx, _, _ = cute.arch.thread_idx()
         block, _, _ = cute.arch.block_idx()
         token = block * config.threads + tidx
+        flags = ready.toint()
+        arrived = Boolean(False)
         if token < m:
-            row = mixes + Int64(token) * MIX
-            post_scale = cute.arch.load((scale + 1).llvm_ptr, Float32)
-            for j in cutlass.range_constexpr(HC):
-                logit = cute.arch.load((row + HC + j).llvm_ptr, Float32) * post_scale + cute.arch.load(
-                    (base + HC + j).llvm_ptr, Float32
-                )
-                value = sigmoid(logit) * Float32(config.post_mult)
-                cute.arch.store((post_out + Int64(token) * HC + j).llvm_ptr, value)
-            comb_scale = cute.arch.load((scale + 2).llvm_ptr, Float32)
-            logits = [
-                cute.arch.load((row + 2 * HC + k).llvm_ptr, Float32) * comb_scale
-                + cute.arch.load((base + 2 * HC + k).llvm_ptr, Float32)
-                for k in range(HC * HC)
-            ]
-            mix = sinkhorn4(logits, Float32(config.hc_eps), config.sinkhorn_repeat)
-            for k in cutlass.range_constexpr(HC * HC):
-                cute.arch.store((comb_out + Int64(token) * HC * HC + k).llvm_ptr, mix[k])
+            arrived = flag.wait(flags, token, spin_limit_ns, error_flag)
+        # Tokens become ready at different times; a warp that ran each one's Sinkhorn as it
+        # arrived would run them one after another (diverged). Wait for the warp's last one.
+        cute.arch.sync_warp()
+        if arrived:
+            self.mix(mixes, scale, base, post_out, comb_out, token)
+        if token < m:
+            flag.clear(flags, token)
+
+    @cute.jit
+    def mix(
+        self,
+        mixes: cute.Pointer,
+        scale: cute.Pointer,
+        base: cute.Pointer,
+        post_out: cute.Pointer,
+        comb_out: cute.Pointer,
+        token: Int32,
+    ):
+        config = self.config
+        row = mixes + Int64(token) * MIX
+        post_scale = cute.arch.load((scale + 1).llvm_ptr, Float32)
+        for j in cutlass.range_constexpr(HC):
+            logit = cute.arch.load((row + HC + j).llvm_ptr, Float32) * post_scale + cute.arch.load(
+                (base + HC + j).llvm_ptr, Float32
+            )
+            value = sigmoid(logit) * Float32(config.post_mult)
+            cute.arch.store((post_out + Int64(token) * HC + j).llvm_ptr, value)
+        comb_scale = cute.arch.load((scale + 2).llvm_ptr, Float32)
+        logits = [
+            cute.arch.load((row + 2 * HC + k).llvm_ptr, Float32) * comb_scale
+            + cute.arch.load((base + 2 * HC + k).llvm_ptr, Float32)
+            for k in range(HC * HC)
+        ]
+        mix = sinkhorn4(logits, Float32(config.hc_eps), config.sinkhorn_repeat)
+        for k in cutlass.range_constexpr(HC * HC):
+            cute.arch.store((comb_out + Int64(token) * HC * HC + k).llvm_ptr, mix[k])

@@ -3,9 +3,11 @@
 Per call: a publish and the boundary on the current stream, PDL-chained (the
 publish lets the boundary launch right after its wait, before its stores: the
 boundary reads the mailbox only after its own wait), and the mixes kernel on a
-side stream. ``post_out`` / ``comb_out`` are complete only after ``join()``; the
-next call joins first. The raw mixes the side kernel reads live in a buffer the
-op owns, so they outlive it.
+side stream. The side stream forks before the boundary, so the mixes kernel runs
+alongside it: each of its threads waits for its token's ready flag, which the
+boundary sets right after writing that token's raw mixes (``mhc_core.ready``).
+``post_out`` / ``comb_out`` are complete only after ``join()``; the next call joins
+first. The raw mixes and the flags live in buffers the op owns, so they outlive it.
 
 Inside CUDA-graph capture, call ``join()`` before the capture ends, so the side
 stream rejoins the captured one.
@@ -25,8 +27,9 @@ from mhc_core.signature import BoundKernel
 from mhc_core.validation import check_int, check_tensor
 
 from .boundary import BoundaryConfig, BoundaryKernel
-from .config import HC, MIX, GLM5Preset, thresholds_from_mapping
+from .config import HC, MIX, MMA_TOKENS, GLM5Preset, thresholds_from_mapping
 from .grouped import GroupBoundaryKernel
+from .grouped_mma import MmaGroupBoundaryKernel
 from .mixes import MixesConfig, MixesKernel
 
 Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -108,10 +111,13 @@ class AllReduceMhcBoundary(LamportOp):
         self._boundary_kernels = {1: self._compile(BoundaryKernel(config))}
         for tokens in self.preset.grouped_sizes:
             grouped = BoundaryConfig(**self.preset.boundary_config(self.arch), tokens=tokens)
-            self._boundary_kernels[tokens] = self._compile(GroupBoundaryKernel(grouped))
+            kernel_type = MmaGroupBoundaryKernel if tokens in MMA_TOKENS else GroupBoundaryKernel
+            self._boundary_kernels[tokens] = self._compile(kernel_type(grouped))
         mixes = MixesConfig(hc_eps=hc_eps, post_mult=post_mult, sinkhorn_repeat=sinkhorn_repeat, threads=mixes_threads)
         self._mixes_kernel = self._compile(MixesKernel(mixes))
         self._raw_mixes = torch.empty(self.capacity, MIX, dtype=torch.float32, device=self.device)
+        # Per token: set by the boundary once its raw mixes are written, cleared by the mixes kernel.
+        self._ready_flags = torch.zeros(self.capacity, dtype=torch.int32, device=self.device)
         self._side = torch.cuda.Stream(self.device)
         self._pending: torch.cuda.Event | None = None
         self._setup()
@@ -180,9 +186,11 @@ class AllReduceMhcBoundary(LamportOp):
     def _bind_collectives(self) -> None:
         fixed = self._collective_fixed()
         self._boundaries: dict[int, BoundKernel] = {
-            tokens: self._bind(kernel, fixed) for tokens, kernel in self._boundary_kernels.items()
+            tokens: self._bind(kernel, dict(fixed, ready=self._ready_flags))
+            for tokens, kernel in self._boundary_kernels.items()
         }
-        self._mixes = self._bind(self._mixes_kernel, {})
+        spin = {"spin_limit_ns": fixed["spin_limit_ns"], "error_flag": fixed["error_flag"]}
+        self._mixes = self._bind(self._mixes_kernel, dict(spin, ready=self._ready_flags))
 
     def _warmup_collects(self) -> list[Callable[[bool], Any]]:
         hidden, device = self.hidden_size, self.device
@@ -230,8 +238,13 @@ class AllReduceMhcBoundary(LamportOp):
         boundary = self._boundaries[tokens if tokens is not None else self.tokens_per_cluster(m)]
 
         def collect(after_publish: bool) -> Outputs:
-            # The previous mixes kernel still reads the raw-mixes buffer until joined.
+            # The previous mixes kernel still reads the raw-mixes buffer and the flags until joined.
             self.join()
+            current = torch.cuda.current_stream(device)
+            # The mixes kernel waits only for what precedes the boundary, then for each token's
+            # ready flag: it runs alongside the boundary instead of one launch after it.
+            fork = torch.cuda.Event()
+            fork.record(current)
             boundary(
                 residual=residual,
                 post=post,
@@ -246,8 +259,8 @@ class AllReduceMhcBoundary(LamportOp):
                 prefetch=int(after_publish),
                 m=m,
             )
-            current = torch.cuda.current_stream(device)
-            self._side.wait_stream(current)
+            # Launched after the boundary, so a boundary that fails to launch leaves no waiter.
+            self._side.wait_event(fork)
             with torch.cuda.stream(self._side):
                 self._mixes(mixes=self._raw_mixes, scale=scale, base=base, post_out=post_out, comb_out=comb_out, m=m)
                 self._pending = torch.cuda.Event()

@@ -31,7 +31,7 @@ PRESET = GLM5Preset(
     tp=4,
     top_k=8,
     cluster_size=8,
-    cluster_tokens=((16, 2), (32, 4), (1024, 8)),
+    cluster_tokens=((16, 2), (32, 8), (128, 16)),
     rms_eps=1e-06,
     hc_eps=1e-06,
     post_mult=2.0,
@@ -50,7 +50,7 @@ GEOMETRY: dict[str, Any] = {
     "threads": 256,
     "fragment_groups_per_cta": 64,
     "shared_bytes": 1764,
-    "grouped_shared_bytes": {2: 11880, 4: 23760, 8: 47520},
+    "grouped_shared_bytes": {2: 11880, 8: 54176, 16: 108352},
     "publish_grid": "(M, 4, 1)",
     "publish_threads": 128,
     "mixes_grid": "(ceil(M / 128), 1, 1)",
@@ -117,21 +117,8 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "tokens": 2,
             },
         ),
-        "boundary_x4": (
-            "mhc_glm5.grouped:GroupBoundaryKernel",
-            {
-                "hidden": 4096,
-                "tp": 4,
-                "cluster_size": 8,
-                "rms_eps": 1e-06,
-                "hc_eps": 1e-06,
-                "norm_eps": 1e-05,
-                "mixed_fma": True,
-                "tokens": 4,
-            },
-        ),
         "boundary_x8": (
-            "mhc_glm5.grouped:GroupBoundaryKernel",
+            "mhc_glm5.grouped_mma:MmaGroupBoundaryKernel",
             {
                 "hidden": 4096,
                 "tp": 4,
@@ -141,6 +128,19 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "norm_eps": 1e-05,
                 "mixed_fma": True,
                 "tokens": 8,
+            },
+        ),
+        "boundary_x16": (
+            "mhc_glm5.grouped_mma:MmaGroupBoundaryKernel",
+            {
+                "hidden": 4096,
+                "tp": 4,
+                "cluster_size": 8,
+                "rms_eps": 1e-06,
+                "hc_eps": 1e-06,
+                "norm_eps": 1e-05,
+                "mixed_fma": True,
+                "tokens": 16,
             },
         ),
         "mixes": (
@@ -206,21 +206,8 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "tokens": 2,
             },
         ),
-        "boundary_x4": (
-            "mhc_glm5.grouped:GroupBoundaryKernel",
-            {
-                "hidden": 4096,
-                "tp": 4,
-                "cluster_size": 8,
-                "rms_eps": 1e-06,
-                "hc_eps": 1e-06,
-                "norm_eps": 1e-05,
-                "mixed_fma": True,
-                "tokens": 4,
-            },
-        ),
         "boundary_x8": (
-            "mhc_glm5.grouped:GroupBoundaryKernel",
+            "mhc_glm5.grouped_mma:MmaGroupBoundaryKernel",
             {
                 "hidden": 4096,
                 "tp": 4,
@@ -230,6 +217,19 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "norm_eps": 1e-05,
                 "mixed_fma": True,
                 "tokens": 8,
+            },
+        ),
+        "boundary_x16": (
+            "mhc_glm5.grouped_mma:MmaGroupBoundaryKernel",
+            {
+                "hidden": 4096,
+                "tp": 4,
+                "cluster_size": 8,
+                "rms_eps": 1e-06,
+                "hc_eps": 1e-06,
+                "norm_eps": 1e-05,
+                "mixed_fma": True,
+                "tokens": 16,
             },
         ),
         "mixes": (

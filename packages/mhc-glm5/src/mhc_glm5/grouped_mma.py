@@ -1,0 +1,329 @@
+"""The grouped GLM-5.3 boundary on tensor cores: 8 or 16 tokens per cluster, the GEMV as ``mma.sync``.
+
+The CUDA-core GEMV costs 24 FMAs per element and token (plus, on sm_90, widening
+every ``fn`` half); from 8 tokens per cluster it is the bottleneck. Here a warp
+holds 8 tokens at once and the GEMV is ``D[token, row] = sum_k s[token, k] * fn[row, k]``
+in m16n8k16 steps: A = the streams (rows: tokens ``g`` and ``g + 8``), B = ``fn``
+(columns: the 24 rows in three n-tiles). The products are exact (BF16 x BF16 in
+FP32) and accumulated in FP32, like the dot of the other kernels; only the order
+of the sums differs (the tests bound it).
+
+Layout: a CTA owns ``S = hidden / 8 / cluster_size`` fragments (8 columns of every
+stream), a warp 4 consecutive ones (``mhc_glm5.config.mma_threads``: twice the
+other kernels' threads, so a lone cluster has more warps to hide latency). Lane
+``l``: token ``g = l / 4`` (and ``g + 8`` with 16 tokens), ``q = l % 4``.
+
+1. Before the PDL wait (``prefetch``): every token's residual fragments and post /
+   comb in shared memory, ``[fragment][source][token]`` with the tokens of each block
+   of 8 rotated by ``2 (fragment + source)`` so that every access pattern below is
+   free of bank conflicts.
+2. Per token half, lane ``q`` owns fragment ``q`` of the warp for token ``g``: it polls
+   it from every rank (summed in the same FP32 tree as the rank lanes of the other
+   kernels: ``protocol.rank_tree_sum``), post-mixes all 4 streams, stores
+   ``residual_out`` and writes the streams back over the sources in shared memory.
+3. MMA: lane ``q`` feeds stream ``q`` of each of the warp's fragments; the k index is
+   permuted so that its k-slots ``2q, 2q + 1, 2q + 8, 2q + 9`` are the fragment's
+   columns 0-3 (then 4-7), and B is loaded with the same permutation (``fn`` rows
+   ``8 n + g`` of stream ``q``). Warps and then the cluster reduce the 24 x tokens sums
+   and each token's sum of squares (warps in order, peers in rank order).
+4. Collapse ``bf16((t0 + t1) + (t2 + t3))``, ``t_j = s_j * pre_j``, and RMS-normalise
+   for the lane's fragment.
+
+Tokens past M (a short last group) are inactive: nothing polled, re-armed or stored.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint32
+
+from mhc_core import protocol, ptx, reduce
+from mhc_core.constants import VEC_BF16, WARP_SIZE
+
+from .boundary import BoundaryConfig, BoundaryKernel, pre_mix, write_raw_mixes
+from .config import HC, MIX, MIX_INPUTS, MMA_FRAGMENTS_PER_WARP, MMA_TOKENS, VALUES, mma_shared_bytes, mma_threads
+
+#: Fragments per warp (``mhc_glm5.config.mma_threads``): lane ``q`` owns fragment ``q`` outside the MMA.
+FRAGMENTS_PER_WARP = MMA_FRAGMENTS_PER_WARP
+#: Tokens per warp-wide MMA row block (lane groups).
+TOKENS_PER_HALF = WARP_SIZE // HC
+#: The 24 fn rows as three n-tiles of 8 columns.
+N_TILES = MIX // 8
+#: Fragments each lane owns outside the MMA: ``q`` (``q + 4``, ... with more fragments per warp).
+LANE_FRAGMENTS = FRAGMENTS_PER_WARP // HC
+
+
+@cute.jit
+def staged_slot(fragment: Int32, source: Int32, token: Int32, tokens: cutlass.Constexpr[int]) -> Int32:
+    """Word offset of a staged fragment: ``[fragment][source][token]``, each block of 8 tokens
+    rotated by ``2 (fragment + source)`` (8 x 16 bytes = every bank once)."""
+    block = token // TOKENS_PER_HALF
+    rotated = (token % TOKENS_PER_HALF + 2 * (fragment + source)) % TOKENS_PER_HALF
+    return ((fragment * HC + source) * tokens + block * TOKENS_PER_HALF + rotated) * 4
+
+
+class MmaGroupBoundaryKernel(BoundaryKernel):
+    name = "boundary_mma"
+    config_type = BoundaryConfig
+
+    def __init__(self, config: BoundaryConfig) -> None:
+        if config.tokens not in MMA_TOKENS:
+            raise ValueError(f"tokens: expected one of {MMA_TOKENS} for the tensor-core boundary, got {config.tokens}")
+        if config.groups_per_cta % FRAGMENTS_PER_WARP:
+            raise ValueError(f"hidden / 8 / cluster_size = {config.groups_per_cta} must be a multiple of 4")
+        super().__init__(config)
+
+    def shared_bytes(self) -> int:
+        return mma_shared_bytes(self.config.hidden, self.config.cluster_size, self.config.tokens)
+
+    def block_threads(self) -> int:
+        return mma_threads(self.config.hidden, self.config.cluster_size)
+
+    @cute.kernel
+    def kernel(
+        self,
+        residual: cute.Pointer,
+        post: cute.Pointer,
+        comb: cute.Pointer,
+        fn: cute.Pointer,
+        scale: cute.Pointer,
+        base: cute.Pointer,
+        gamma: cute.Pointer,
+        residual_out: cute.Pointer,
+        mixes_out: cute.Pointer,
+        ready: cute.Pointer,
+        layer_input: cute.Pointer,
+        prefetch: Int32,
+        mailbox: cute.Tensor,
+        stage_state: cute.Tensor,
+        capacity: Int32,
+        spin_limit_ns: Int64,
+        error_flag: Int64,
+        m: Int32,
+    ):
+        config = self.config
+        hidden, tp, cluster, tokens = config.hidden, config.tp, config.cluster_size, config.tokens
+        fragments, threads = config.groups_per_cta, self.block_threads()
+        warps = threads // WARP_SIZE
+        halves = tokens // TOKENS_PER_HALF
+        tidx, _, _ = cute.arch.thread_idx()
+        group, _, _ = cute.arch.block_idx()
+        cluster_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane_id = cute.arch.lane_idx()
+        g = lane_id // HC  # token (of each half)
+        q = lane_id % HC  # stream / rank lane
+        local = warp * FRAGMENTS_PER_WARP  # the warp's first fragment in the CTA
+        first_fragment = cluster_rank * fragments + local
+        first = group * tokens
+        last = m - 1
+
+        smem = cutlass.memory.SmemAllocator()
+        staged = smem.allocate_array(Uint32, fragments * HC * tokens * 4, byte_alignment=16)
+        mix_inputs = smem.allocate_array(Float32, tokens * MIX_INPUTS)
+        warp_sums = smem.allocate_array(Float32, warps * tokens * VALUES)
+        cluster_sums = smem.allocate_array(Float32, cluster * tokens * VALUES)
+        totals = smem.allocate_array(Float32, tokens * VALUES)
+        warp_sums2 = smem.allocate_array(Float32, warps * tokens)
+        cluster_sums2 = smem.allocate_array(Float32, cluster * tokens)
+
+        if prefetch == Int32(0):
+            cute.arch.griddepcontrol_wait()
+        gamma_words = cute.make_rmem_tensor(cute.make_layout((LANE_FRAGMENTS, 4), stride=(4, 1)), Uint32)
+        for k in cutlass.range_constexpr(LANE_FRAGMENTS):
+            column = Int64(first_fragment + q + k * HC) * VEC_BF16
+            gamma_words[k, None].store(ptx.load_u32x4(gamma.toint() + column * 2))
+        # Asynchronous copies (no registers, all in flight at once), waited for after the first poll.
+        # Token fastest: a warp reads a few consecutive fragments of 8-16 rows, full sectors.
+        count = tokens * HC * fragments
+        for trip in cutlass.range_constexpr(-(-count // threads)):
+            index = tidx + trip * threads
+            if index < Int32(count):
+                t = index % tokens
+                f = (index // tokens) % fragments
+                source = index // (tokens * fragments)
+                token = cutlass.min(first + t, last)
+                element = (Int64(token) * HC + Int64(source)) * hidden + Int64(cluster_rank * fragments + f) * VEC_BF16
+                ptx.copy_async_16(staged + staged_slot(f, source, t, tokens), residual.toint() + element * 2)
+        for trip in cutlass.range_constexpr(-(-(tokens * MIX_INPUTS) // threads)):
+            index = tidx + trip * threads
+            if index < Int32(tokens * MIX_INPUTS):
+                t = index // MIX_INPUTS
+                j = index % MIX_INPUTS
+                row = Int64(cutlass.min(first + t, last))
+                address = comb.toint() + (row * (HC * HC) + Int64(j - HC)) * 4
+                if j < Int32(HC):
+                    address = post.toint() + (row * HC + Int64(j)) * 4
+                ptx.copy_async_4(mix_inputs + index, address)
+        cute.arch.cp_async_commit_group()
+
+        cute.arch.griddepcontrol_wait()
+        stage = protocol.active_stage(stage_state)
+        mailbox_base = mailbox.iterator.toint()
+        squares = cute.make_rmem_tensor(cute.make_layout((halves,)), Float32)
+        for h in cutlass.range_constexpr(halves):
+            t = h * TOKENS_PER_HALF + g
+            token = first + t
+            active = token <= last
+            kept = cute.make_rmem_tensor(cute.make_layout((LANE_FRAGMENTS, tp, 4), stride=(tp * 4, 4, 1)), Uint32)
+            # One thread polls every rank of its two fragments (fragment step 4, rank lanes 1).
+            protocol.poll_slots(
+                kept, mailbox_base, stage, token, token, first_fragment + q, Int32(0), active, LANE_FRAGMENTS, tp,
+                1, capacity, hidden, spin_limit_ns, error_flag, 0, HC,
+            )  # fmt: skip
+            if cutlass.const_expr(h == halves - 1):
+                protocol.advance_stage(stage_state, stage, (group == 0) & (cluster_rank == 0) & (tidx == 0))
+                cute.arch.griddepcontrol_launch_dependents()
+            protocol.rearm_slots(
+                mailbox_base, stage, token, token, first_fragment + q, Int32(0), active, LANE_FRAGMENTS, tp, 1,
+                capacity, hidden, 0, HC,
+            )  # fmt: skip
+            if cutlass.const_expr(h == 0):
+                # The staged inputs landed (this thread's copies), and are visible to all (the barrier).
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.barrier()
+            inputs = mix_inputs + t * MIX_INPUTS
+            square = Float32(0.0)
+            for k in cutlass.range_constexpr(LANE_FRAGMENTS):
+                f = local + q + k * HC
+                # The all-reduced sublayer output is BF16, as the collective returns it.
+                x = protocol.rank_tree_sum(kept, k, tp, HC).to(cutlass.BFloat16).to(Float32)
+                sources = [
+                    ptx.words_to_f32x8(ptx.load_shared_u32x4(staged + staged_slot(f, i, t, tokens))) for i in range(HC)
+                ]
+                for j in cutlass.range_constexpr(HC):
+                    mixed = x * cute.arch.load((inputs + j).llvm_ptr, Float32)
+                    for i in cutlass.range_constexpr(HC):
+                        mixed = mixed + sources[i] * cute.arch.load((inputs + HC + i * HC + j).llvm_ptr, Float32)
+                    stream_words = ptx.f32x8_to_words(mixed)
+                    if active:
+                        output = (Int64(token) * HC + Int64(j)) * hidden + Int64(first_fragment + q + k * HC) * VEC_BF16
+                        ptx.store_u32x4(residual_out.toint() + output * 2, stream_words)
+                    square = square + ptx.dot_bf16x8(stream_words, stream_words, config.mixed_fma)
+                    # This lane alone reads source j of this fragment and token.
+                    ptx.store_shared_u32x4(staged + staged_slot(f, j, t, tokens), stream_words)
+            for step in cutlass.range_constexpr(2):
+                square = square + cute.arch.shuffle_sync_bfly(square, offset=1 << step, mask=-1, mask_and_clamp=31)
+            squares[h] = square
+        # The MMA reads the streams the other lanes of the warp wrote.
+        cute.arch.sync_warp()
+
+        # GEMV: A = streams (tokens g, g + 8), B = fn rows (tile * 8 + g), one k-half per MMA.
+        fn_words = cute.make_rmem_tensor(
+            cute.make_layout((N_TILES, FRAGMENTS_PER_WARP, 4), stride=(FRAGMENTS_PER_WARP * 4, 4, 1)), Uint32
+        )
+        for tile in cutlass.range_constexpr(N_TILES):
+            for f in cutlass.range_constexpr(FRAGMENTS_PER_WARP):
+                row = Int64(tile * 8 + g) * (HC * hidden) + Int64(q) * hidden
+                column = Int64(first_fragment + f) * VEC_BF16
+                fn_words[tile, f, None].store(ptx.load_u32x4(fn.toint() + (row + column) * 2))
+        acc = cute.make_rmem_tensor(cute.make_layout((N_TILES, 4), stride=(4, 1)), Float32)
+        acc.fill(Float32(0.0))
+        for f in cutlass.range_constexpr(FRAGMENTS_PER_WARP):
+            low = ptx.load_shared_u32x4(staged + staged_slot(local + f, q, g, tokens))
+            high = low
+            if cutlass.const_expr(halves == 2):
+                high = ptx.load_shared_u32x4(staged + staged_slot(local + f, q, g + TOKENS_PER_HALF, tokens))
+            for tile in cutlass.range_constexpr(N_TILES):
+                b = fn_words[tile, f, None].load()
+                for k in cutlass.range_constexpr(2):
+                    a = [ptx.element(words, 2 * k + i) for i in range(2) for words in (low, high)]
+                    b_words = [ptx.element(b, 2 * k + i) for i in range(2)]
+                    acc[tile, None].store(ptx.mma_bf16_16816(a, b_words, acc[tile, None].load()))
+
+        # Warp partials: lane (g, q) holds rows tile * 8 + 2q, + 1 of tokens g (and g + 8).
+        for tile in cutlass.range_constexpr(N_TILES):
+            for h in cutlass.range_constexpr(halves):
+                for k in cutlass.range_constexpr(2):
+                    t = h * TOKENS_PER_HALF + g
+                    slot = warp_sums + (warp * tokens + t) * VALUES + tile * 8 + 2 * q + k
+                    cute.arch.store(slot.llvm_ptr, acc[tile, 2 * h + k])
+        for h in cutlass.range_constexpr(halves):
+            if q == Int32(0):
+                t = h * TOKENS_PER_HALF + g
+                cute.arch.store((warp_sums + (warp * tokens + t) * VALUES + MIX).llvm_ptr, squares[h])
+        cute.arch.barrier()
+        # Every CTA's per-token sums into every peer's slot, then the totals.
+        pairs = tokens * VALUES
+        for trip in cutlass.range_constexpr(-(-pairs // threads)):
+            index = tidx + trip * threads
+            if index < Int32(pairs):
+                total = Float32(0.0)
+                for w in cutlass.range_constexpr(warps):
+                    total = total + cute.arch.load((warp_sums + w * pairs + index).llvm_ptr, Float32)
+                for peer in cutlass.range_constexpr(cluster):
+                    ptx.store_to_peer_f32(cluster_sums + cluster_rank * pairs + index, Int32(peer), total)
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        for trip in cutlass.range_constexpr(-(-pairs // threads)):
+            index = tidx + trip * threads
+            if index < Int32(pairs):
+                cute.arch.store((totals + index).llvm_ptr, reduce.cluster_total(cluster_sums, index, pairs, cluster))
+        cute.arch.barrier()
+
+        # Raw mixes and ready flags (CTA 0, one warp per token), then the collapse of each token.
+        for trip in cutlass.range_constexpr(-(-tokens // warps)):
+            t = warp + trip * warps
+            if (cluster_rank == 0) & (lane_id == 0) & (t < Int32(tokens)) & (first + t <= last):
+                rstd = cute.math.rsqrt(
+                    cute.arch.load((totals + t * VALUES + MIX).llvm_ptr, Float32) / Float32(HC * hidden)
+                    + Float32(config.rms_eps),
+                    fastmath=True,
+                )
+                write_raw_mixes(totals + t * VALUES, rstd, mixes_out, ready, first + t)
+        hc_eps = Float32(config.hc_eps)
+        prenorm = cute.make_rmem_tensor(
+            cute.make_layout((halves, LANE_FRAGMENTS, 4), stride=(LANE_FRAGMENTS * 4, 4, 1)), Uint32
+        )
+        for h in cutlass.range_constexpr(halves):
+            t = h * TOKENS_PER_HALF + g
+            rstd = cute.math.rsqrt(
+                cute.arch.load((totals + t * VALUES + MIX).llvm_ptr, Float32) / Float32(HC * hidden)
+                + Float32(config.rms_eps),
+                fastmath=True,
+            )
+            pre = [
+                pre_mix(
+                    cute.arch.load((totals + t * VALUES + j).llvm_ptr, Float32) * rstd, scale, base, Int32(j), hc_eps
+                )
+                for j in range(HC)
+            ]
+            square = Float32(0.0)
+            for k in cutlass.range_constexpr(LANE_FRAGMENTS):
+                f = local + q + k * HC
+                terms = [
+                    ptx.words_to_f32x8(ptx.load_shared_u32x4(staged + staged_slot(f, j, t, tokens))) * pre[j]
+                    for j in range(HC)
+                ]
+                collapsed = ptx.f32x8_to_words((terms[0] + terms[1]) + (terms[2] + terms[3]))
+                prenorm[h, k, None].store(collapsed)
+                square = square + ptx.dot_bf16x8(collapsed, collapsed, config.mixed_fma)
+            for step in cutlass.range_constexpr(2):
+                square = square + cute.arch.shuffle_sync_bfly(square, offset=1 << step, mask=-1, mask_and_clamp=31)
+            if q == Int32(0):
+                cute.arch.store((warp_sums2 + warp * tokens + t).llvm_ptr, square)
+        cute.arch.barrier()
+        if tidx < Int32(tokens * cluster):
+            t = tidx // cluster
+            peer = tidx % cluster
+            total = Float32(0.0)
+            for w in cutlass.range_constexpr(warps):
+                total = total + cute.arch.load((warp_sums2 + w * tokens + t).llvm_ptr, Float32)
+            ptx.store_to_peer_f32(cluster_sums2 + cluster_rank * tokens + t, peer, total)
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+
+        for h in cutlass.range_constexpr(halves):
+            t = h * TOKENS_PER_HALF + g
+            token = first + t
+            if token <= last:
+                sum_square = reduce.cluster_total(cluster_sums2, t, tokens, cluster)
+                inv_rms = cute.math.rsqrt(sum_square / Float32(hidden) + Float32(config.norm_eps), fastmath=True)
+                for k in cutlass.range_constexpr(LANE_FRAGMENTS):
+                    weight = ptx.words_to_f32x8(gamma_words[k, None].load())
+                    result = ptx.words_to_f32x8(prenorm[h, k, None].load()) * inv_rms * weight
+                    column = Int64(first_fragment + q + k * HC) * VEC_BF16
+                    ptx.store_u32x4(
+                        layer_input.toint() + (Int64(token) * hidden + column) * 2, ptx.f32x8_to_words(result)
+                    )

@@ -1,0 +1,85 @@
+"""The GLM-5.3 kernels compile without a GPU; what their PTX must contain (sm_90a and sm_100a)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.core.test_kernels_cpu import compiled
+from tests.ptx_checks import count, loop_bodies, polls_volatile_in_loop
+
+ARCHS = ("sm_90a", "sm_100a")
+MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+
+
+def boundary(arch: str, tokens: int, tp: int = 1, hidden: int = 4096):
+    from mhc_glm5.boundary import BoundaryConfig, BoundaryKernel
+    from mhc_glm5.grouped import GroupBoundaryKernel
+    from mhc_glm5.grouped_mma import MmaGroupBoundaryKernel
+
+    config = BoundaryConfig(
+        hidden=hidden, tp=tp, cluster_size=8, rms_eps=1e-6, hc_eps=1e-6, norm_eps=1e-5,
+        mixed_fma=arch != "sm_90a", tokens=tokens,
+    )  # fmt: skip
+    if tokens == 1:
+        return BoundaryKernel(config)
+    return (MmaGroupBoundaryKernel if tokens >= 8 else GroupBoundaryKernel)(config)
+
+
+def check_protocol(ptx: str, flag_stores: int = 1) -> None:
+    """Every boundary: the poll spins on volatile loads under the time bound, one PDL wait after the
+    prologue and one trigger, and each token's ready flag is a release store (one per unrolled
+    token in the CUDA-core grouped kernel)."""
+    assert polls_volatile_in_loop(ptx)
+    assert count(ptx, "griddepcontrol.wait") == 2, "one in the no-prefetch branch, one after the prologue"
+    assert count(ptx, "griddepcontrol.launch_dependents") == 1
+    assert count(ptx, "%globaltimer") >= 1
+    assert count(ptx, "st.release.gpu.global.u32") == flag_stores
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tokens", (1, 2, 4))
+def test_cuda_core_boundaries(arch: str, tokens: int) -> None:
+    """The one-token and CUDA-core grouped kernels: the GEMV's mixed-precision dot is
+    ``fma.rn.f32.bf16`` on sm_100+, the exact unpack + ``fma.rn.f32`` on sm_90a."""
+    ptx = compiled(boundary(arch, tokens), arch)
+    check_protocol(ptx, flag_stores=tokens)
+    if arch == "sm_90a":
+        assert count(ptx, "fma.rn.f32.bf16") == 0
+    else:
+        assert count(ptx, "fma.rn.f32.bf16") >= 25 * 8
+    assert count(ptx, "mma.sync") == 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tokens,tp", [(8, 1), (16, 1), (16, 8)])
+def test_tensor_core_boundary(arch: str, tokens: int, tp: int) -> None:
+    """4 fragments per warp x 3 n-tiles x 2 k-halves of m16n8k16; the staging is asynchronous."""
+    ptx = compiled(boundary(arch, tokens, tp), arch)
+    check_protocol(ptx)
+    assert count(ptx, MMA) == 4 * 3 * 2
+    assert count(ptx, "cp.async.cg.shared.global") >= 1 and count(ptx, "cp.async.wait_group") == 1
+
+
+def test_tensor_core_boundary_geometry() -> None:
+    """Twice the threads of the other kernels (a warp per 4 fragments); shared memory as sized."""
+    from mhc_glm5.config import MAX_SHARED_BYTES, mma_shared_bytes, mma_threads
+
+    kernel = boundary("sm_90a", 16)
+    assert kernel.block_threads() == mma_threads(4096, 8) == 2 * kernel.config.threads == 512
+    staged = 64 * 4 * 16 * 16  # fragments x sources x tokens x 16 bytes
+    reductions = 16 * (20 + (16 + 8 + 1) * 25 + 16 + 8) * 4
+    assert kernel.shared_bytes() == mma_shared_bytes(4096, 8, 16) == staged + reductions <= MAX_SHARED_BYTES
+    from mhc_glm5.grouped_mma import MmaGroupBoundaryKernel
+
+    with pytest.raises(ValueError, match="tokens: expected one of"):
+        MmaGroupBoundaryKernel(boundary("sm_90a", 4).config)  # 4 tokens: the CUDA-core kernel
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mixes_kernel_waits_on_ready_flags(arch: str) -> None:
+    from mhc_glm5.mixes import MixesConfig, MixesKernel
+
+    ptx = compiled(MixesKernel(MixesConfig(hc_eps=1e-6, post_mult=2.0, sinkhorn_repeat=20)), arch)
+    assert any(any("ld.acquire.gpu.global.u32" in line for line in body) for body in loop_bodies(ptx))
+    assert count(ptx, "bar.warp.sync") >= 1, "the warp converges before the Sinkhorn"
+    assert count(ptx, "rcp.approx") == 4 + (4 + 19 * 4 + 20 * 4), "4 post sigmoids, then the Sinkhorn's"
