@@ -139,11 +139,13 @@ def test_moe_input(name: str, weight_dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("tp", (1, 8))
 def test_single_and_grouped_kernels_agree(tp: int) -> None:
     """The same tokens through the one-token and every grouped kernel (ops whose thresholds send
-    M = 9 to each; tp 8 over loopback): identical streams (the tensor-core kernel sums the ranks
-    in the same tree from one thread), raw mixes within the two-tree GEMV bound."""
+    M = 9 to each; tp 8 over loopback): every rank bitwise identical within a kernel; across
+    kernels the streams within two post-mix bounds (which product ptxas fuses into an FMA is its
+    choice per kernel) and the raw mixes within the two-tree GEMV bound."""
+    from mhc_core import reference
     from mhc_glm5 import presets
     from tests.glm5.checks import gemv_depth
-    from tests.tolerances import gemv_tolerance
+    from tests.tolerances import gemv_tolerance, post_mix_tolerance
 
     preset = presets.get(f"h200-tp{tp}-h4096").PRESET
     generator = torch.Generator("cuda").manual_seed(17 + tp)
@@ -165,8 +167,11 @@ def test_single_and_grouped_kernels_agree(tp: int) -> None:
     streams = single_outputs[0].float().reshape(m, -1)
     rstd = torch.rsqrt((streams * streams).sum(-1, keepdim=True) / streams.shape[1] + preset.rms_eps)
     tolerance = gemv_tolerance(single_outputs[0], args["fn"], rstd, gemv_depth(results[16][2]))
+    reduced = reference.all_reduce(partials, lanes=4)
+    residual, post, comb = args["residual"], args["post"], args["comb"]
+    stream_tolerance = 2 * post_mix_tolerance(reduced, residual, post, comb, single_outputs[0])
     for tokens, (outputs, raw, _) in results.items():
-        assert torch.equal(outputs[0], single_outputs[0]), f"{tokens} tokens per cluster: residual_out differs"
+        assert_within(outputs[0], single_outputs[0], stream_tolerance, f"{tokens} tokens per cluster: residual_out")
         assert_within(raw, single_raw, tolerance, f"{tokens} tokens per cluster: raw mixes")
 
 
