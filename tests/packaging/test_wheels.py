@@ -17,8 +17,10 @@ PACKAGES = {
     # distribution: (import name, pins its METADATA must declare)
     "mhc-core": ("mhc_core", {DSL, "torch", "numpy"}),  # numpy: mhc_core.spin uses Tensor.numpy()
     "mhc-dsv41": ("mhc_dsv41", {"mhc-core~=0.1.0", DSL, "torch"}),
-    "mhc-glm5": ("mhc_glm5", {"mhc-core~=0.1.0", DSL, "torch"}),
+    "mhc-glm5": ("mhc_glm5", {"mhc-core~=0.1.1", DSL, "torch"}),  # 0.1.1: mhc_core.ready
 }
+#: Each package's own version (its __init__); bumped when its kernels or API change.
+VERSIONS = {"mhc-core": "0.1.1", "mhc-dsv41": "0.1.0", "mhc-glm5": "0.2.0"}
 
 BUILD = """
 import sys
@@ -63,10 +65,10 @@ def metadata(wheel: Path) -> email.message.Message:
 def test_metadata(package: str, wheels: dict[str, Path]) -> None:
     meta = metadata(wheels[package])
     assert meta["Name"] == package
-    assert meta["Version"] == version_of(package) == "0.1.0"
+    assert meta["Version"] == version_of(package) == VERSIONS[package]
     assert meta["Requires-Python"] == ">=3.11"
     assert set(meta.get_all("Requires-Dist")) == PACKAGES[package][1]
-    assert wheels[package].name == f"{PACKAGES[package][0]}-0.1.0-py3-none-any.whl"
+    assert wheels[package].name == f"{PACKAGES[package][0]}-{VERSIONS[package]}-py3-none-any.whl"
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -77,7 +79,7 @@ def test_contents(package: str, wheels: dict[str, Path]) -> None:
     assert f"{module}/__init__.py" in names
     assert not [name for name in names if "__pycache__" in name or name.endswith(".pyc")]
     source = ROOT / "packages" / package / "src" / module
-    shipped = {name for name in names if not name.startswith(f"{module}-0.1.0.dist-info/")}
+    shipped = {name for name in names if not name.startswith(f"{module}-{VERSIONS[package]}.dist-info/")}
     assert shipped == {str(path.relative_to(source.parent)) for path in source.rglob("*.py")} | {f"{module}/py.typed"}
 
 
