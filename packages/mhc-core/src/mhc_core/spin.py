@@ -8,9 +8,10 @@ op raises at its next call or on ``check()``; the mailbox is then inconsistent
 (some slots were never consumed), so the op refuses every later call until it is
 rebuilt.
 
-The bound is off by default (a limit of 0 costs one predicated compare per poll
-round); ``spin_timeout_ms=`` or ``MHC_SPIN_TIMEOUT_MS`` turns it on. The project's
-own tests run with it on.
+The same bound covers a side-stream kernel's wait for a ready flag
+(``mhc_core.ready``, ``ERROR_READY_TIMEOUT``). It is off by default (a limit of 0
+costs one predicated compare per poll round); ``spin_timeout_ms=`` or
+``MHC_SPIN_TIMEOUT_MS`` turns it on. The project's own tests run with it on.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ cluster_size`` groups of 4 lanes, one group per 16-byte fragment. Lane ``j``:
    stored as ``residual_out``;
 3. adds its share of the 24-row GEMV ``fn[r, j * hidden + c] * s_j[c]`` and of
    ``sum s_j^2``; the 25 sums are reduced over the cluster through DSMEM; CTA 0
-   writes the raw mixes ``gemv * rsqrt(sum / (4 hidden) + rms_eps)``;
+   writes the raw mixes ``gemv * rsqrt(sum / (4 hidden) + rms_eps)`` and sets the
+   token's ready flag for the side-stream mixes kernel (``mhc_core.ready``);
 4. collapses ``bf16((t0 + t1) + (t2 + t3))`` with ``t_j = s_j * pre_j``,
    ``pre_j = sigmoid(raw[j] * scale[0] + base[j]) + hc_eps``, and RMS-normalises it
    after a second, one-value cluster reduction.

@@ -13,10 +13,12 @@ stream), a warp 4 consecutive ones (``mhc_glm5.config.mma_threads``: twice the
 other kernels' threads, so a lone cluster has more warps to hide latency). Lane
 ``l``: token ``g = l / 4`` (and ``g + 8`` with 16 tokens), ``q = l % 4``.
 
-1. Before the PDL wait (``prefetch``): every token's residual fragments and post /
-   comb in shared memory, ``[fragment][source][token]`` with the tokens of each block
-   of 8 rotated by ``2 (fragment + source)`` so that every access pattern below is
-   free of bank conflicts.
+1. Before the PDL wait (``prefetch``), asynchronous copies (``cp.async``, waited for
+   after the first poll) of every token's residual fragments and post / comb into
+   shared memory, ``[fragment][source][token]`` with the tokens of each block of 8
+   rotated by ``2 (fragment + source)``: the staging, the per-lane reads of step 2 and
+   the MMA operand reads of step 3 each touch 8 distinct 16-byte bank groups per
+   quarter-warp, so none has bank conflicts.
 2. Per token half, lane ``q`` owns fragment ``q`` of the warp for token ``g``: it polls
    it from every rank (summed in the same FP32 tree as the rank lanes of the other
    kernels: ``protocol.rank_tree_sum``), post-mixes all 4 streams, stores
