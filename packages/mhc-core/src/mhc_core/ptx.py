@@ -51,10 +51,6 @@ def _elements(values: cute.TensorSSA, *, loc=None, ip=None) -> list[ir.Value]:
     return [vector.extract(vec, [], [k], loc=loc, ip=ip) for k in range(values.shape[0])]
 
 
-def _word_values(words: cute.TensorSSA, *, loc=None, ip=None) -> list[ir.Value]:
-    return _elements(words, loc=loc, ip=ip)
-
-
 @dsl_user_op
 def element(values: cute.TensorSSA, k: int, *, loc=None, ip=None):
     """Element ``k`` of a small register vector (a fragment's word, an accumulator)."""
@@ -138,7 +134,7 @@ def store_u32x4(address: Int64, words: cute.TensorSSA, *, loc=None, ip=None) -> 
     """One 16-byte global store to a 64-bit address (local or a peer's mailbox)."""
     llvm.inline_asm(
         None,
-        [_value(Int64(address), loc, ip), *_word_values(words, loc=loc, ip=ip)],
+        [_value(Int64(address), loc, ip), *_elements(words, loc=loc, ip=ip)],
         PTX_STORE_U32X4,
         "l,r,r,r,r,~{memory}",
         has_side_effects=True,
@@ -153,7 +149,7 @@ def multimem_store_bf16x8(address: Int64, words: cute.TensorSSA, *, loc=None, ip
     """One NVLink multicast store of 8 BF16 values to every rank's copy of a slot."""
     llvm.inline_asm(
         None,
-        [_value(Int64(address), loc, ip), *_word_values(words, loc=loc, ip=ip)],
+        [_value(Int64(address), loc, ip), *_elements(words, loc=loc, ip=ip)],
         PTX_MULTIMEM_STORE_BF16X8,
         "l,r,r,r,r,~{memory}",
         has_side_effects=True,
@@ -330,7 +326,7 @@ def _dot_bf16x8(a: cute.TensorSSA, b: cute.TensorSSA, text: str, *, loc=None, ip
     return Float32(
         llvm.inline_asm(
             T.f32(),
-            [*_word_values(a, loc=loc, ip=ip), *_word_values(b, loc=loc, ip=ip)],
+            [*_elements(a, loc=loc, ip=ip), *_elements(b, loc=loc, ip=ip)],
             text,
             "=f," + ",".join(["r"] * 8),
             has_side_effects=False,

@@ -110,6 +110,14 @@ def gemv_partials(fn_rows: cute.Tensor, stream: cute.TensorSSA, mixed_fma: cutla
 
 
 @cute.jit
+def mixes_rstd(totals: cute.Pointer, hidden: cutlass.Constexpr[int], rms_eps: cutlass.Constexpr[float]) -> Float32:
+    """``rsqrt(sum s^2 / (4 hidden) + rms_eps)`` from a token's 25 cluster totals (squares last)."""
+    return cute.math.rsqrt(
+        cute.arch.load((totals + MIX).llvm_ptr, Float32) / Float32(HC * hidden) + Float32(rms_eps), fastmath=True
+    )
+
+
+@cute.jit
 def write_raw_mixes(totals: cute.Pointer, rstd: Float32, mixes_out: cute.Pointer, ready: cute.Pointer, token: Int32):
     """One thread: the token's 24 raw mixes ``totals[r] * rstd``, then its ready flag for the
     side-stream mixes kernel (``mhc_core.ready``)."""
@@ -251,10 +259,7 @@ class BoundaryKernel(DeviceKernel):
             cute.arch.store((totals + tidx).llvm_ptr, reduce.cluster_total(cluster_sums, tidx, VALUES, cluster))
         cute.arch.barrier()
 
-        rstd = cute.math.rsqrt(
-            cute.arch.load((totals + MIX).llvm_ptr, Float32) / Float32(HC * hidden) + Float32(config.rms_eps),
-            fastmath=True,
-        )
+        rstd = mixes_rstd(totals, hidden, config.rms_eps)
         if (cluster_rank == 0) & (tidx == 0):
             write_raw_mixes(totals, rstd, mixes_out, ready, token)
         mix = cute.arch.load((totals + lane).llvm_ptr, Float32) * rstd

@@ -32,10 +32,11 @@ from .boundary import (
     collapse_streams,
     gemv_partials,
     load_fn_rows,
+    mixes_rstd,
     pre_mix,
     write_raw_mixes,
 )
-from .config import HC, MIX, MIX_INPUTS, VALUES, grouped_shared_bytes
+from .config import HC, MIX_INPUTS, VALUES, grouped_shared_bytes
 
 
 class GroupBoundaryKernel(BoundaryKernel):
@@ -191,11 +192,7 @@ class GroupBoundaryKernel(BoundaryKernel):
 
         hc_eps = Float32(config.hc_eps)
         for t in cutlass.range_constexpr(tokens):
-            rstd = cute.math.rsqrt(
-                cute.arch.load((totals + t * VALUES + MIX).llvm_ptr, Float32) / Float32(HC * hidden)
-                + Float32(config.rms_eps),
-                fastmath=True,
-            )
+            rstd = mixes_rstd(totals + t * VALUES, hidden, config.rms_eps)
             if (cluster_rank == 0) & (tidx == Int32(t)) & (first + t <= last):
                 write_raw_mixes(totals + t * VALUES, rstd, mixes_out, ready, first + t)
             mix = cute.arch.load((totals + t * VALUES + lane).llvm_ptr, Float32) * rstd

@@ -43,7 +43,7 @@ from cutlass import Float32, Int32, Int64, Uint32
 from mhc_core import protocol, ptx, reduce
 from mhc_core.constants import VEC_BF16, WARP_SIZE
 
-from .boundary import BoundaryConfig, BoundaryKernel, pre_mix, write_raw_mixes
+from .boundary import BoundaryConfig, BoundaryKernel, mixes_rstd, pre_mix, write_raw_mixes
 from .config import HC, MIX, MIX_INPUTS, MMA_FRAGMENTS_PER_WARP, MMA_TOKENS, VALUES, mma_shared_bytes, mma_threads
 
 #: Fragments per warp (``mhc_glm5.config.mma_threads``): lane ``q`` owns fragment ``q`` outside the MMA.
@@ -268,11 +268,7 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         for trip in cutlass.range_constexpr(-(-tokens // warps)):
             t = warp + trip * warps
             if (cluster_rank == 0) & (lane_id == 0) & (t < Int32(tokens)) & (first + t <= last):
-                rstd = cute.math.rsqrt(
-                    cute.arch.load((totals + t * VALUES + MIX).llvm_ptr, Float32) / Float32(HC * hidden)
-                    + Float32(config.rms_eps),
-                    fastmath=True,
-                )
+                rstd = mixes_rstd(totals + t * VALUES, hidden, config.rms_eps)
                 write_raw_mixes(totals + t * VALUES, rstd, mixes_out, ready, first + t)
         hc_eps = Float32(config.hc_eps)
         prenorm = cute.make_rmem_tensor(
@@ -280,11 +276,7 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         )
         for h in cutlass.range_constexpr(halves):
             t = h * TOKENS_PER_HALF + g
-            rstd = cute.math.rsqrt(
-                cute.arch.load((totals + t * VALUES + MIX).llvm_ptr, Float32) / Float32(HC * hidden)
-                + Float32(config.rms_eps),
-                fastmath=True,
-            )
+            rstd = mixes_rstd(totals + t * VALUES, hidden, config.rms_eps)
             pre = [
                 pre_mix(
                     cute.arch.load((totals + t * VALUES + j).llvm_ptr, Float32) * rstd, scale, base, Int32(j), hc_eps
