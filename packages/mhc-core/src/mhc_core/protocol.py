@@ -126,6 +126,19 @@ def advance_stage(stage_state: cute.Tensor, stage: Uint32, leader: Boolean) -> N
 
 
 @cute.jit
+def spin_clock(started: Int64, spin_limit_ns: Int64) -> tuple:
+    """One round of a bounded spin that found nothing yet: ``(started, expired)``. The clock
+    starts at the first such round (``started == 0``), so launch delays do not count."""
+    now = cute.arch.globaltimer()
+    expired = Boolean(False)
+    if started == Int64(0):
+        started = now
+    elif now - started > spin_limit_ns:
+        expired = Boolean(True)
+    return started, expired
+
+
+@cute.jit
 def poll_slots(
     kept: cute.Tensor,
     mailbox: Int64,
@@ -172,10 +185,8 @@ def poll_slots(
                     dirty = dirty | ptx.has_negative_zero(words)
                     kept[t, wave, None].store(words)
         if dirty & (spin_limit_ns > Int64(0)):
-            now = cute.arch.globaltimer()
-            if started == Int64(0):
-                started = now
-            elif now - started > spin_limit_ns:
+            started, expired = spin_clock(started, spin_limit_ns)
+            if expired:
                 _report_timeout(kept, stage, first_token, fragment, lane, tokens, tp, lanes, error_flag)
                 dirty = Boolean(False)
 

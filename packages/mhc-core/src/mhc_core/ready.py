@@ -17,7 +17,7 @@ from __future__ import annotations
 import cutlass.cute as cute
 from cutlass import Boolean, Int32, Int64, Uint32
 
-from . import ptx
+from . import protocol, ptx
 from .constants import ERROR_CODE, ERROR_READY_TIMEOUT, ERROR_TOKEN
 
 
@@ -37,16 +37,14 @@ def wait(flags: Int64, index: Int32, spin_limit_ns: Int64, error_flag: Int64) ->
     """Spin until ``flags[index]`` is set; False if ``spin_limit_ns`` (> 0) passed first (reported
     in the host-mapped ``error_flag`` as ``ERROR_READY_TIMEOUT`` for ``index``)."""
     address = flags + Int64(index) * 4
-    waiting = ptx.load_acquire_u32(address) == Uint32(0)
+    waiting = Boolean(True)
     ready = Boolean(True)
     started = Int64(0)
     while waiting:
         waiting = ptx.load_acquire_u32(address) == Uint32(0)
         if waiting & (spin_limit_ns > Int64(0)):
-            now = cute.arch.globaltimer()
-            if started == Int64(0):
-                started = now
-            elif now - started > spin_limit_ns:
+            started, expired = protocol.spin_clock(started, spin_limit_ns)
+            if expired:
                 ptx.store_system_u32(error_flag + Int64(ERROR_TOKEN * 4), Uint32(index))
                 ptx.store_system_u32(error_flag + Int64(ERROR_CODE * 4), Uint32(ERROR_READY_TIMEOUT))
                 ready = Boolean(False)
