@@ -12,17 +12,16 @@ MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 
 
 def boundary(arch: str, tokens: int, tp: int = 1, hidden: int = 4096):
-    from mhc_glm5.boundary import BoundaryConfig, BoundaryKernel
-    from mhc_glm5.grouped import GroupBoundaryKernel
-    from mhc_glm5.grouped_mma import MmaGroupBoundaryKernel
+    """The kernel an op serving ``tokens`` per cluster compiles (``config.grouped_kernel_path``)."""
+    from mhc_core.compiler import kernel_from_spec
+    from mhc_glm5.config import grouped_kernel_path
 
-    config = BoundaryConfig(
-        hidden=hidden, tp=tp, cluster_size=8, rms_eps=1e-6, hc_eps=1e-6, norm_eps=1e-5,
-        mixed_fma=arch != "sm_90a", tokens=tokens,
-    )  # fmt: skip
-    if tokens == 1:
-        return BoundaryKernel(config)
-    return (MmaGroupBoundaryKernel if tokens >= 8 else GroupBoundaryKernel)(config)
+    config = {
+        "hidden": hidden, "tp": tp, "cluster_size": 8, "rms_eps": 1e-6, "hc_eps": 1e-6, "norm_eps": 1e-5,
+        "mixed_fma": arch != "sm_90a", "tokens": tokens,
+    }  # fmt: skip
+    path = "mhc_glm5.boundary:BoundaryKernel" if tokens == 1 else grouped_kernel_path(tokens)
+    return kernel_from_spec(path, config)
 
 
 def check_protocol(ptx: str, flag_stores: int = 1) -> None:

@@ -20,17 +20,14 @@ from typing import Any
 
 import torch
 
+from mhc_core.compiler import kernel_from_spec
 from mhc_core.moe import MoEOutput
 from mhc_core.op import LamportOp, Plan, optional_output
 from mhc_core.publish import TRIGGER_AFTER_WAIT
 from mhc_core.signature import BoundKernel
 from mhc_core.validation import check_int, check_tensor
 
-from .boundary import BoundaryConfig, BoundaryKernel
-from .config import HC, MIX, MMA_TOKENS, GLM5Preset, thresholds_from_mapping
-from .grouped import GroupBoundaryKernel
-from .grouped_mma import MmaGroupBoundaryKernel
-from .mixes import MixesConfig, MixesKernel
+from .config import HC, MIX, GLM5Preset, thresholds_from_mapping
 
 Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -107,14 +104,12 @@ class AllReduceMhcBoundary(LamportOp):
             mixes_threads=mixes_threads,
         )
         self.cluster_tokens = self.preset.cluster_tokens
-        config = BoundaryConfig(**self.preset.boundary_config(self.arch))
-        self._boundary_kernels = {1: self._compile(BoundaryKernel(config))}
+        # The kernels the preset lists (what `nox -s build` compiles), one per tokens-per-cluster size.
+        specs = self.preset.kernel_specs(self.arch)
+        self._boundary_kernels = {1: self._compile(kernel_from_spec(*specs["boundary"]))}
         for tokens in self.preset.grouped_sizes:
-            grouped = BoundaryConfig(**self.preset.boundary_config(self.arch), tokens=tokens)
-            kernel_type = MmaGroupBoundaryKernel if tokens in MMA_TOKENS else GroupBoundaryKernel
-            self._boundary_kernels[tokens] = self._compile(kernel_type(grouped))
-        mixes = MixesConfig(hc_eps=hc_eps, post_mult=post_mult, sinkhorn_repeat=sinkhorn_repeat, threads=mixes_threads)
-        self._mixes_kernel = self._compile(MixesKernel(mixes))
+            self._boundary_kernels[tokens] = self._compile(kernel_from_spec(*specs[f"boundary_x{tokens}"]))
+        self._mixes_kernel = self._compile(kernel_from_spec(*specs["mixes"]))
         self._raw_mixes = torch.empty(self.capacity, MIX, dtype=torch.float32, device=self.device)
         # Per token: set by the boundary once its raw mixes are written, cleared by the mixes kernel.
         self._ready_flags = torch.zeros(self.capacity, dtype=torch.int32, device=self.device)
