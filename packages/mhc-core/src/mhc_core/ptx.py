@@ -428,6 +428,33 @@ def copy_async_4(shared: cute.Pointer, address: Int64, *, loc=None, ip=None) -> 
     _copy_async(shared, address, PTX_COPY_ASYNC_4, loc, ip)
 
 
+#: A bulk global -> shared copy by the tensor-memory-access engine, completing on an mbarrier
+#: (``complete_tx``): it bypasses the load/store unit, so polls issued meanwhile are not queued
+#: behind it.
+PTX_BULK_COPY = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];"
+
+
+@dsl_user_op
+def bulk_copy(shared: cute.Pointer, address: Int64, size: Int32, barrier: cute.Pointer, *, loc=None, ip=None) -> None:
+    """Start copying ``size`` bytes (a multiple of 16; both ends 16-byte aligned) from global
+    ``address`` to this CTA's ``shared``; their arrival counts against ``barrier``'s transaction bytes."""
+    llvm.inline_asm(
+        None,
+        [
+            llvm.ptrtoint(T.i32(), shared.llvm_ptr, loc=loc, ip=ip),
+            _value(Int64(address), loc, ip),
+            _value(Int32(size), loc, ip),
+            llvm.ptrtoint(T.i32(), barrier.llvm_ptr, loc=loc, ip=ip),
+        ],
+        PTX_BULK_COPY,
+        "r,l,r,r,~{memory}",
+        has_side_effects=True,
+        asm_dialect=0,
+        loc=loc,
+        ip=ip,
+    )
+
+
 # ----------------------------------------------------------------------- cluster
 @cute.jit
 def store_to_peer_f32(local: cute.Pointer, peer: Int32, value: Float32) -> None:

@@ -1,7 +1,7 @@
 """FP32 reductions: warp -> block -> cluster, in a fixed order.
 
-Every sum here has one tree fixed at compile time (xor butterfly within a warp,
-warps in index order, cluster peers in rank order), so every CTA of a cluster and
+Every sum here has one tree fixed at compile time (xor butterfly, or for many values
+a reduce-scatter, within a warp; warps in index order, cluster peers in rank order), so every CTA of a cluster and
 every TP rank computes bit-identical totals from identical inputs.
 """
 
@@ -68,11 +68,19 @@ def block_to_cluster(
     tidx, _, _ = cute.arch.thread_idx()
     lane = cute.arch.lane_idx()
     warp = cute.arch.warp_idx()
-    for k in cutlass.range_constexpr(count):
-        values[k] = warp_sum(values[k])
-    if lane == 0:
+    if cutlass.const_expr(count * 5 > WARP_SIZE - 1):
+        # Many values: one reduce-scatter (31 shuffles) instead of a butterfly (5) per value.
+        assert count <= WARP_SIZE, "block_to_cluster reduces at most 32 values"
+        padded = [values[k] for k in range(count)] + [Float32(0.0)] * (WARP_SIZE - count)
+        lane_total = warp_reduce_scatter(padded)
+        if lane < count:
+            cute.arch.store((warp_sums + warp * count + lane).llvm_ptr, lane_total)
+    else:
         for k in cutlass.range_constexpr(count):
-            cute.arch.store((warp_sums + warp * count + k).llvm_ptr, values[k])
+            values[k] = warp_sum(values[k])
+        if lane == 0:
+            for k in cutlass.range_constexpr(count):
+                cute.arch.store((warp_sums + warp * count + k).llvm_ptr, values[k])
     cute.arch.barrier()
     pairs = count * cluster_size
     for trip in cutlass.range_constexpr(-(-pairs // threads)):

@@ -16,8 +16,9 @@ cluster_size`` groups of 4 lanes, one group per 16-byte fragment. Lane ``j``:
    ``pre_j = sigmoid(raw[j] * scale[0] + base[j]) + hc_eps``, and RMS-normalises it
    after a second, one-value cluster reduction.
 
-``fn`` rows, residual streams, the weight, post and comb are loaded before the PDL
-wait when the kernel right before is the publish (``prefetch``).
+The CTA's ``fn`` slice is staged in shared memory by bulk copies (``mhc_glm5.fn_stage``),
+and the residual streams, the weight, post and comb are loaded, before the PDL wait
+when the kernel right before is the publish (``prefetch``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,17 @@ from mhc_core.constants import VEC_BF16, WARP_SIZE
 from mhc_core.fastmath import sigmoid
 from mhc_core.signature import Param, Ptr, Scalar, Signature, Stream
 
-from .config import HC, MIX, VALUES, boundary_shared_bytes, boundary_threads
+from . import fn_stage
+from .config import (
+    FN_CHUNKS,
+    FN_ROTATION_STREAMS,
+    HC,
+    MIX,
+    VALUES,
+    boundary_shared_bytes,
+    boundary_threads,
+    fn_chunk_words,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +116,24 @@ def load_fn_rows(fn: cute.Pointer, lane: Int32, column: Int64, hidden: cutlass.C
 def gemv_partials(fn_rows: cute.Tensor, stream: cute.TensorSSA, mixed_fma: cutlass.Constexpr[bool]) -> list:
     """This fragment's 24 GEMV terms and its sum of squares (25 FP32 values)."""
     partial = [ptx.dot_bf16x8(fn_rows[row, None].load(), stream, mixed_fma) for row in range(MIX)]
+    partial.append(ptx.dot_bf16x8(stream, stream, mixed_fma))
+    return partial
+
+
+@cute.jit
+def gemv_partials_staged(
+    staged: cute.Pointer,
+    lane: Int32,
+    group: Int32,
+    stream: cute.TensorSSA,
+    groups: cutlass.Constexpr[int],
+    mixed_fma: cutlass.Constexpr[bool],
+) -> list:
+    """``gemv_partials`` with the ``fn`` fragments read from the staged slice (``fn_stage``)."""
+    partial = [
+        ptx.dot_bf16x8(fn_stage.load(staged, Int32(row), lane, group, groups, FN_ROTATION_STREAMS), stream, mixed_fma)
+        for row in range(MIX)
+    ]
     partial.append(ptx.dot_bf16x8(stream, stream, mixed_fma))
     return partial
 
@@ -202,7 +231,7 @@ class BoundaryKernel(DeviceKernel):
         m: Int32,
     ):
         config = self.config
-        hidden, tp, cluster = config.hidden, config.tp, config.cluster_size
+        hidden, tp, cluster, groups = config.hidden, config.tp, config.cluster_size, config.groups_per_cta
         tidx, _, _ = cute.arch.thread_idx()
         token, _, _ = cute.arch.block_idx()
         cluster_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
@@ -210,9 +239,17 @@ class BoundaryKernel(DeviceKernel):
         fragment = cluster_rank * config.groups_per_cta + tidx // HC
         column = Int64(fragment) * VEC_BF16
 
+        smem = cutlass.memory.SmemAllocator()
+        fn_staged = smem.allocate_array(
+            Uint32, FN_CHUNKS * fn_chunk_words(groups, FN_ROTATION_STREAMS), byte_alignment=fn_stage.ALIGN
+        )
+        fn_barrier = smem.allocate_array(Int64, 1, byte_alignment=8)
+
         if prefetch == Int32(0):
             cute.arch.griddepcontrol_wait()
-        fn_rows = load_fn_rows(fn, lane, column, hidden)
+        fn_stage.start(
+            fn, fn_staged, fn_barrier, cluster_rank * groups, groups, FN_ROTATION_STREAMS, hidden, config.threads
+        )
         streams = cute.make_rmem_tensor(cute.make_layout((HC, 4), stride=(4, 1)), Uint32)
         for source in cutlass.range_constexpr(HC):
             element = (Int64(token) * HC + source) * hidden + column
@@ -245,10 +282,10 @@ class BoundaryKernel(DeviceKernel):
         ptx.store_u32x4(residual_out.toint() + output * 2, stream_words)
 
         partials = cute.make_rmem_tensor(cute.make_layout((VALUES,)), Float32)
-        terms = gemv_partials(fn_rows, stream_words, config.mixed_fma)
+        fn_stage.wait(fn_barrier)
+        terms = gemv_partials_staged(fn_staged, lane, tidx // HC, stream_words, groups, config.mixed_fma)
         for k in cutlass.range_constexpr(VALUES):
             partials[k] = terms[k]
-        smem = cutlass.memory.SmemAllocator()
         warp_sums = smem.allocate_array(Float32, config.warps * VALUES)
         cluster_sums = smem.allocate_array(Float32, cluster * VALUES)
         totals = smem.allocate_array(Float32, VALUES)

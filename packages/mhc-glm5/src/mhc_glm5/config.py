@@ -53,16 +53,42 @@ MMA_TOKENS = (8, 16)
 GROUPED_MAX_THREADS = 256
 
 
+#: ``fn`` staged in shared memory (``mhc_glm5.fn_stage``): one chunk per (row, stream) of the
+#: CTA's columns, chunks padded so that consecutive ones rotate across the 32 banks. The
+#: one-token kernel reads chunks ``4 r + j`` (``j`` = 0..3) at 2 consecutive fragments per
+#: quarter-warp: stride = 8 words (mod 32); the tensor-core kernel reads 8 consecutive chunks at
+#: one fragment: stride = 4 (mod 32).
+FN_CHUNKS = MIX * HC
+FN_ROTATION_STREAMS = 8
+FN_ROTATION_ROWS = 4
+#: The staged slice's alignment (bulk copies need 16 bytes) and its mbarrier.
+FN_STAGE_ALIGN = 128
+FN_BARRIER_BYTES = 8
+
+
+def fn_chunk_words(fragments: int, rotation: int) -> int:
+    """Words from one staged chunk to the next: 4 a fragment, padded to ``rotation`` mod 32."""
+    words = fragments * 4
+    return words + (rotation - words) % 32
+
+
+def fn_stage_bytes(fragments: int, rotation: int) -> int:
+    """Shared memory of the staged ``fn`` slice, its mbarrier and the alignment slack."""
+    return FN_CHUNKS * fn_chunk_words(fragments, rotation) * 4 + FN_BARRIER_BYTES + FN_STAGE_ALIGN
+
+
 def boundary_threads(hidden: int, cluster_size: int) -> int:
     return hidden // VEC_BF16 // cluster_size * HC
 
 
 def boundary_shared_bytes(hidden: int, cluster_size: int) -> int:
-    """One-token kernel: the 25-value reduction (warp sums, peer slots, totals), then the 1-value one."""
+    """One-token kernel: the staged ``fn``, the 25-value reduction (warp sums, peer slots, totals),
+    then the 1-value one."""
     warps = boundary_threads(hidden, cluster_size) // WARP_SIZE
     first = (warps + cluster_size + 1) * VALUES
     second = warps + cluster_size
-    return (first + second) * 4
+    fragments = hidden // VEC_BF16 // cluster_size
+    return fn_stage_bytes(fragments, FN_ROTATION_STREAMS) + (first + second) * 4
 
 
 def grouped_shared_bytes(hidden: int, cluster_size: int, tokens: int) -> int:
@@ -84,12 +110,13 @@ def mma_threads(hidden: int, cluster_size: int) -> int:
 
 
 def mma_shared_bytes(hidden: int, cluster_size: int, tokens: int) -> int:
-    """Tensor-core kernel: residual fragments ``[fragment][source][token]``, mix inputs, reductions."""
+    """Tensor-core kernel: the staged ``fn``, residual fragments ``[fragment][source][token]``, mix
+    inputs, reductions."""
     fragments = hidden // VEC_BF16 // cluster_size
     warps = mma_threads(hidden, cluster_size) // WARP_SIZE
     staged = fragments * HC * tokens * 16
     floats = tokens * (MIX_INPUTS + (warps + cluster_size + 1) * VALUES + warps + cluster_size)
-    return staged + floats * 4
+    return fn_stage_bytes(fragments, FN_ROTATION_ROWS) + staged + floats * 4
 
 
 def grouped_kernel_shared_bytes(hidden: int, cluster_size: int, tokens: int) -> int:

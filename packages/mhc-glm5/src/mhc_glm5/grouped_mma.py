@@ -43,8 +43,21 @@ from cutlass import Float32, Int32, Int64, Uint32
 from mhc_core import protocol, ptx, reduce
 from mhc_core.constants import VEC_BF16, WARP_SIZE
 
+from . import fn_stage
 from .boundary import BoundaryConfig, BoundaryKernel, mixes_rstd, pre_mix, write_raw_mixes
-from .config import HC, MIX, MIX_INPUTS, MMA_FRAGMENTS_PER_WARP, MMA_TOKENS, VALUES, mma_shared_bytes, mma_threads
+from .config import (
+    FN_CHUNKS,
+    FN_ROTATION_ROWS,
+    HC,
+    MIX,
+    MIX_INPUTS,
+    MMA_FRAGMENTS_PER_WARP,
+    MMA_TOKENS,
+    VALUES,
+    fn_chunk_words,
+    mma_shared_bytes,
+    mma_threads,
+)
 
 #: Fragments per warp (``mhc_glm5.config.mma_threads``): lane ``q`` owns fragment ``q`` outside the MMA.
 FRAGMENTS_PER_WARP = MMA_FRAGMENTS_PER_WARP
@@ -122,6 +135,10 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         last = m - 1
 
         smem = cutlass.memory.SmemAllocator()
+        fn_staged = smem.allocate_array(
+            Uint32, FN_CHUNKS * fn_chunk_words(fragments, FN_ROTATION_ROWS), byte_alignment=fn_stage.ALIGN
+        )
+        fn_barrier = smem.allocate_array(Int64, 1, byte_alignment=8)
         staged = smem.allocate_array(Uint32, fragments * HC * tokens * 4, byte_alignment=16)
         mix_inputs = smem.allocate_array(Float32, tokens * MIX_INPUTS)
         warp_sums = smem.allocate_array(Float32, warps * tokens * VALUES)
@@ -132,6 +149,9 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
 
         if prefetch == Int32(0):
             cute.arch.griddepcontrol_wait()
+        fn_stage.start(
+            fn, fn_staged, fn_barrier, cluster_rank * fragments, fragments, FN_ROTATION_ROWS, hidden, threads
+        )
         gamma_words = cute.make_rmem_tensor(cute.make_layout((LANE_FRAGMENTS, 4), stride=(4, 1)), Uint32)
         for k in cutlass.range_constexpr(LANE_FRAGMENTS):
             column = Int64(first_fragment + q + k * HC) * VEC_BF16
@@ -211,15 +231,8 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         # The MMA reads the streams the other lanes of the warp wrote.
         cute.arch.sync_warp()
 
-        # GEMV: A = streams (tokens g, g + 8), B = fn rows (tile * 8 + g), one k-half per MMA.
-        fn_words = cute.make_rmem_tensor(
-            cute.make_layout((N_TILES, FRAGMENTS_PER_WARP, 4), stride=(FRAGMENTS_PER_WARP * 4, 4, 1)), Uint32
-        )
-        for tile in cutlass.range_constexpr(N_TILES):
-            for f in cutlass.range_constexpr(FRAGMENTS_PER_WARP):
-                row = Int64(tile * 8 + g) * (HC * hidden) + Int64(q) * hidden
-                column = Int64(first_fragment + f) * VEC_BF16
-                fn_words[tile, f, None].store(ptx.load_u32x4(fn.toint() + (row + column) * 2))
+        # GEMV: A = streams (tokens g, g + 8), B = fn rows (tile * 8 + g, stream q), one k-half per MMA.
+        fn_stage.wait(fn_barrier)
         acc = cute.make_rmem_tensor(cute.make_layout((N_TILES, 4), stride=(4, 1)), Float32)
         acc.fill(Float32(0.0))
         for f in cutlass.range_constexpr(FRAGMENTS_PER_WARP):
@@ -228,7 +241,7 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
             if cutlass.const_expr(halves == 2):
                 high = ptx.load_shared_u32x4(staged + staged_slot(local + f, q, g + TOKENS_PER_HALF, tokens))
             for tile in cutlass.range_constexpr(N_TILES):
-                b = fn_words[tile, f, None].load()
+                b = fn_stage.load(fn_staged, tile * 8 + g, q, local + f, fragments, FN_ROTATION_ROWS)
                 for k in cutlass.range_constexpr(2):
                     a = [ptx.element(words, 2 * k + i) for i in range(2) for words in (low, high)]
                     b_words = [ptx.element(b, 2 * k + i) for i in range(2)]

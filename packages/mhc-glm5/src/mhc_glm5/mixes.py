@@ -79,6 +79,10 @@ class MixesKernel(DeviceKernel):
         block, _, _ = cute.arch.block_idx()
         token = block * config.threads + tidx
         flags = ready.toint()
+        # The weights do not depend on the boundary: load them while it runs.
+        post_scale = cute.arch.load((scale + 1).llvm_ptr, Float32)
+        comb_scale = cute.arch.load((scale + 2).llvm_ptr, Float32)
+        bias = [cute.arch.load((base + HC + k).llvm_ptr, Float32) for k in range(MIX - HC)]
         arrived = Boolean(False)
         if token < m:
             arrived = flag.wait(flags, token, spin_limit_ns, error_flag)
@@ -86,7 +90,7 @@ class MixesKernel(DeviceKernel):
         # arrived would run them one after another (diverged). Wait for the warp's last one.
         cute.arch.sync_warp()
         if arrived:
-            self.mix(mixes, scale, base, post_out, comb_out, token)
+            self.mix(mixes, post_scale, comb_scale, bias, post_out, comb_out, token)
         if token < m:
             flag.clear(flags, token)
 
@@ -94,26 +98,22 @@ class MixesKernel(DeviceKernel):
     def mix(
         self,
         mixes: cute.Pointer,
-        scale: cute.Pointer,
-        base: cute.Pointer,
+        post_scale: Float32,
+        comb_scale: Float32,
+        bias: list,
         post_out: cute.Pointer,
         comb_out: cute.Pointer,
         token: Int32,
     ):
+        """``bias`` is ``base[4:24]``."""
         config = self.config
         row = mixes + Int64(token) * MIX
-        post_scale = cute.arch.load((scale + 1).llvm_ptr, Float32)
         for j in cutlass.range_constexpr(HC):
-            logit = cute.arch.load((row + HC + j).llvm_ptr, Float32) * post_scale + cute.arch.load(
-                (base + HC + j).llvm_ptr, Float32
-            )
+            logit = cute.arch.load((row + HC + j).llvm_ptr, Float32) * post_scale + bias[j]
             value = sigmoid(logit) * Float32(config.post_mult)
             cute.arch.store((post_out + Int64(token) * HC + j).llvm_ptr, value)
-        comb_scale = cute.arch.load((scale + 2).llvm_ptr, Float32)
         logits = [
-            cute.arch.load((row + 2 * HC + k).llvm_ptr, Float32) * comb_scale
-            + cute.arch.load((base + 2 * HC + k).llvm_ptr, Float32)
-            for k in range(HC * HC)
+            cute.arch.load((row + 2 * HC + k).llvm_ptr, Float32) * comb_scale + bias[HC + k] for k in range(HC * HC)
         ]
         mix = sinkhorn4(logits, Float32(config.hc_eps), config.sinkhorn_repeat)
         for k in cutlass.range_constexpr(HC * HC):
