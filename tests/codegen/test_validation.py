@@ -216,6 +216,18 @@ def test_grouped_shared_memory_rule(workdir: Path, capsys: pytest.CaptureFixture
     ]
 
 
+def test_one_token_shared_memory_rule(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The one-token kernel stages 96 chunks of its fn columns: hidden 10240 on 8 CTAs is too much."""
+    from mhc_glm5.config import boundary_shared_bytes
+
+    document = repo_presets()
+    apply(document, GLM, {"hidden": 10240, "cluster_tokens": [[16, 2]]})
+    assert run_bad(workdir, document, capsys) == [
+        f"error: presets.toml: [{GLM}] key 'cluster_size': the one-token kernel stages its fn slice in shared "
+        f"memory: {boundary_shared_bytes(10240, 8)} bytes, more than 232448 (raise cluster_size); got 8"
+    ]
+
+
 def test_tensor_core_threads_rule(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The tensor-core kernel runs a warp per 4 fragments: 1024 threads elsewhere become 2048."""
     document = repo_presets()

@@ -9,6 +9,7 @@ from tests.ptx_checks import count, loop_bodies, polls_volatile_in_loop
 
 ARCHS = ("sm_90a", "sm_100a")
 MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+BULK_COPY = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
 
 
 def boundary(arch: str, tokens: int, tp: int = 1, hidden: int = 4096):
@@ -22,6 +23,14 @@ def boundary(arch: str, tokens: int, tp: int = 1, hidden: int = 4096):
     }  # fmt: skip
     path = "mhc_glm5.boundary:BoundaryKernel" if tokens == 1 else grouped_kernel_path(tokens)
     return kernel_from_spec(path, config)
+
+
+def check_staged_fn(ptx: str) -> None:
+    """fn staged by one bulk copy per (row, stream) chunk: issued once per thread (unrolled once),
+    completed on an mbarrier the GEMV waits on (``try_wait`` retried in the DSL's asm loop)."""
+    assert count(ptx, BULK_COPY) == 1
+    assert count(ptx, "mbarrier.init.shared") == 1 and count(ptx, "expect_tx") == 1
+    assert count(ptx, "mbarrier.try_wait.parity") == 1
 
 
 def check_protocol(ptx: str, flag_stores: int = 1) -> None:
@@ -42,6 +51,13 @@ def test_cuda_core_boundaries(arch: str, tokens: int) -> None:
     ``fma.rn.f32.bf16`` on sm_100+, the exact unpack + ``fma.rn.f32`` on sm_90a."""
     ptx = compiled(boundary(arch, tokens), arch)
     check_protocol(ptx, flag_stores=tokens)
+    if tokens == 1:
+        check_staged_fn(ptx)
+        # The 25-value reduction is one warp reduce-scatter (31 shuffles, not 125); the rest: the
+        # rank-lane and collapse butterflies (2 x 2 x 8) and the 1-value reduction (5).
+        assert count(ptx, "shfl.sync") <= 31 + 32 + 5 + 3
+    else:
+        assert count(ptx, BULK_COPY) == 0, "the CUDA-core grouped kernel keeps fn in registers"
     if arch == "sm_90a":
         assert count(ptx, "fma.rn.f32.bf16") == 0
     else:
@@ -55,6 +71,7 @@ def test_tensor_core_boundary(arch: str, tokens: int, tp: int) -> None:
     """4 fragments per warp x 3 n-tiles x 2 k-halves of m16n8k16; the staging is asynchronous."""
     ptx = compiled(boundary(arch, tokens, tp), arch)
     check_protocol(ptx)
+    check_staged_fn(ptx)
     assert count(ptx, MMA) == 4 * 3 * 2
     assert count(ptx, "cp.async.cg.shared.global") >= 1 and count(ptx, "cp.async.wait_group") == 1
 
@@ -83,3 +100,30 @@ def test_mixes_kernel_waits_on_ready_flags(arch: str) -> None:
     assert any(any("ld.acquire.gpu.global.u32" in line for line in body) for body in loop_bodies(ptx))
     assert count(ptx, "bar.warp.sync") >= 1, "the warp converges before the Sinkhorn"
     assert count(ptx, "rcp.approx") == 4 + (4 + 19 * 4 + 20 * 4), "4 post sigmoids, then the Sinkhorn's"
+
+
+@pytest.mark.parametrize("hidden", (4096, 4608))
+@pytest.mark.parametrize("kernel", ("one-token", "tensor-core"))
+def test_staged_fn_reads_have_no_bank_conflicts(kernel: str, hidden: int) -> None:
+    """Each quarter-warp's 16-byte reads of the staged fn slice touch 8 distinct bank groups.
+
+    One-token kernel: lane ``4 g + j`` reads chunk ``4 r + j`` at fragment ``g``; tensor-core
+    kernel: lane ``4 g + q`` reads chunk ``4 (8 tile + g) + q`` at the warp's fragment ``f``.
+    """
+    from mhc_glm5.config import FN_ROTATION_ROWS, FN_ROTATION_STREAMS, fn_chunk_words
+
+    fragments = hidden // 8 // 8
+    rotation = FN_ROTATION_STREAMS if kernel == "one-token" else FN_ROTATION_ROWS
+    stride = fn_chunk_words(fragments, rotation)
+    assert stride >= 4 * fragments and (stride - 4 * fragments) < 32
+    for outer in range(24 if kernel == "one-token" else 3):  # fn row / n-tile
+        for first in range(0, 32, 8):  # the quarter-warps
+            for base in range(0, fragments - 1, 2 if kernel == "one-token" else 1):
+                words = []
+                for lane in range(first, first + 8):
+                    g, j = lane // 4, lane % 4
+                    if kernel == "one-token":
+                        words.append((4 * outer + j) * stride + 4 * (base + g - first // 4))
+                    else:
+                        words.append((4 * (8 * outer + g) + j) * stride + 4 * base)
+                assert len({word // 4 % 8 for word in words}) == 8, (kernel, hidden, outer, first, base)

@@ -252,6 +252,14 @@ class GLM5Preset:
                 f"{tokens} tokens per cluster need {shared} bytes of shared memory, more than {MAX_SHARED_BYTES}",
                 tokens,
             )
+        shared = boundary_shared_bytes(self.hidden, self.cluster_size)
+        require(
+            shared <= MAX_SHARED_BYTES,
+            "cluster_size",
+            f"the one-token kernel stages its fn slice in shared memory: {shared} bytes, more than "
+            f"{MAX_SHARED_BYTES} (raise cluster_size)",
+            self.cluster_size,
+        )
         require_positive_float("rms_eps", self.rms_eps)
         require_positive_float("hc_eps", self.hc_eps)
         require_positive_float("post_mult", self.post_mult)
