@@ -17,10 +17,10 @@ PACKAGES = {
     # distribution: (import name, pins its METADATA must declare)
     "mhc-core": ("mhc_core", {DSL, "torch", "numpy"}),  # numpy: mhc_core.spin uses Tensor.numpy()
     "mhc-dsv41": ("mhc_dsv41", {"mhc-core~=0.1.0", DSL, "torch"}),
-    "mhc-glm5": ("mhc_glm5", {"mhc-core~=0.1.1", DSL, "torch"}),  # 0.1.1: mhc_core.ready
+    "mhc-glm5": ("mhc_glm5", {"mhc-core~=0.1.2", DSL, "torch"}),  # 0.1.2: ptx.bulk_copy
 }
 #: Each package's own version (its __init__); bumped when its kernels or API change.
-VERSIONS = {"mhc-core": "0.1.1", "mhc-dsv41": "0.1.0", "mhc-glm5": "0.2.0"}
+VERSIONS = {"mhc-core": "0.1.2", "mhc-dsv41": "0.1.0", "mhc-glm5": "0.3.0"}
 
 BUILD = """
 import sys

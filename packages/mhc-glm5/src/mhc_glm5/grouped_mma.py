@@ -13,10 +13,11 @@ stream), a warp 4 consecutive ones (``mhc_glm5.config.mma_threads``: twice the
 other kernels' threads, so a lone cluster has more warps to hide latency). Lane
 ``l``: token ``g = l / 4`` (and ``g + 8`` with 16 tokens), ``q = l % 4``.
 
-1. Before the PDL wait (``prefetch``), asynchronous copies (``cp.async``, waited for
-   after the first poll) of every token's residual fragments and post / comb into
-   shared memory, ``[fragment][source][token]`` with the tokens of each block of 8
-   rotated by ``2 (fragment + source)``: the staging, the per-lane reads of step 2 and
+1. Before the PDL wait (``prefetch``): bulk copies of the CTA's ``fn`` columns into
+   shared memory (``mhc_glm5.fn_stage``, waited for before the MMA), and asynchronous
+   copies (``cp.async``, waited for after the first poll) of every token's residual
+   fragments and post / comb into shared memory, ``[fragment][source][token]`` with
+   the tokens of each block of 8 rotated by ``2 (fragment + source)``: the staging, the per-lane reads of step 2 and
    the MMA operand reads of step 3 each touch 8 distinct 16-byte bank groups per
    quarter-warp, so none has bank conflicts.
 2. Per token half, lane ``q`` owns fragment ``q`` of the warp for token ``g``: it polls
@@ -25,7 +26,7 @@ other kernels' threads, so a lone cluster has more warps to hide latency). Lane
    ``residual_out`` and writes the streams back over the sources in shared memory.
 3. MMA: lane ``q`` feeds stream ``q`` of each of the warp's fragments; the k index is
    permuted so that its k-slots ``2q, 2q + 1, 2q + 8, 2q + 9`` are the fragment's
-   columns 0-3 (then 4-7), and B is loaded with the same permutation (``fn`` rows
+   columns 0-3 (then 4-7), and B is read with the same permutation (staged ``fn`` rows
    ``8 n + g`` of stream ``q``). Warps and then the cluster reduce the 24 x tokens sums
    and each token's sum of squares (warps in order, peers in rank order).
 4. Collapse ``bf16((t0 + t1) + (t2 + t3))``, ``t_j = s_j * pre_j``, and RMS-normalise
