@@ -157,6 +157,12 @@ def write_raw_mixes(totals: cute.Pointer, rstd: Float32, mixes_out: cute.Pointer
 
 
 @cute.jit
+def inverse_rms(sum_square: Float32, hidden: cutlass.Constexpr[int], norm_eps: cutlass.Constexpr[float]) -> Float32:
+    """The RMSNorm's ``rsqrt(sum x^2 / hidden + norm_eps)`` from the cluster's sum of squares."""
+    return cute.math.rsqrt(sum_square / Float32(hidden) + Float32(norm_eps), fastmath=True)
+
+
+@cute.jit
 def pre_mix(mix: Float32, scale: cute.Pointer, base: cute.Pointer, lane: Int32, hc_eps: Float32) -> Float32:
     """``sigmoid(raw[j] * scale[0] + base[j]) + hc_eps`` for stream ``j = lane``."""
     return (
@@ -308,7 +314,7 @@ class BoundaryKernel(DeviceKernel):
             square[0] = ptx.dot_bf16x8(prenorm_words, prenorm_words, config.mixed_fma)
         reduce.block_to_cluster(square, 1, warp_sums2, cluster_sums2, cluster_rank, config.threads, cluster)
         sum_square = reduce.cluster_total(cluster_sums2, 0, 1, cluster)
-        inv_rms = cute.math.rsqrt(sum_square / Float32(hidden) + Float32(config.norm_eps), fastmath=True)
+        inv_rms = inverse_rms(sum_square, hidden, config.norm_eps)
         if lane == 0:
             prenorm = ptx.words_to_f32x8(prenorm_words)
             result = prenorm * inv_rms * ptx.words_to_f32x8(gamma_words)

@@ -31,6 +31,7 @@ from .boundary import (
     BoundaryKernel,
     collapse_streams,
     gemv_partials,
+    inverse_rms,
     load_fn_rows,
     mixes_rstd,
     pre_mix,
@@ -220,6 +221,6 @@ class GroupBoundaryKernel(BoundaryKernel):
             for t in cutlass.range_constexpr(tokens):
                 token = cutlass.min(first + t, last)
                 sum_square = reduce.cluster_total(cluster_sums2 + t * cluster, 0, 1, cluster)
-                inv_rms = cute.math.rsqrt(sum_square / Float32(hidden) + Float32(config.norm_eps), fastmath=True)
+                inv_rms = inverse_rms(sum_square, hidden, config.norm_eps)
                 result = ptx.words_to_f32x8(kept[t, 0, None].load()) * inv_rms * weight
                 ptx.store_u32x4(layer_input.toint() + (Int64(token) * hidden + column) * 2, ptx.f32x8_to_words(result))

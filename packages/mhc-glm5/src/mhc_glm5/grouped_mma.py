@@ -45,7 +45,7 @@ from mhc_core import protocol, ptx, reduce
 from mhc_core.constants import VEC_BF16, WARP_SIZE
 
 from . import fn_stage
-from .boundary import BoundaryConfig, BoundaryKernel, mixes_rstd, pre_mix, write_raw_mixes
+from .boundary import BoundaryConfig, BoundaryKernel, inverse_rms, mixes_rstd, pre_mix, write_raw_mixes
 from .config import (
     FN_CHUNKS,
     FN_ROTATION_ROWS,
@@ -327,7 +327,7 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
             token = first + t
             if token <= last:
                 sum_square = reduce.cluster_total(cluster_sums2, t, tokens, cluster)
-                inv_rms = cute.math.rsqrt(sum_square / Float32(hidden) + Float32(config.norm_eps), fastmath=True)
+                inv_rms = inverse_rms(sum_square, hidden, config.norm_eps)
                 for k in cutlass.range_constexpr(LANE_FRAGMENTS):
                     weight = ptx.words_to_f32x8(gamma_words[k, None].load())
                     result = ptx.words_to_f32x8(prenorm[h, k, None].load()) * inv_rms * weight
