@@ -23,6 +23,7 @@ when the kernel right before is the publish (``prefetch``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import cutlass
@@ -39,14 +40,12 @@ from mhc_core.signature import Param, Ptr, Scalar, Signature, Stream
 
 from . import fn_stage
 from .config import (
-    FN_CHUNKS,
     FN_ROTATION_STREAMS,
     HC,
     MIX,
     VALUES,
     boundary_shared_bytes,
     boundary_threads,
-    fn_chunk_words,
 )
 
 
@@ -112,28 +111,11 @@ def load_fn_rows(fn: cute.Pointer, lane: Int32, column: Int64, hidden: cutlass.C
     return rows
 
 
-@cute.jit
-def gemv_partials(fn_rows: cute.Tensor, stream: cute.TensorSSA, mixed_fma: cutlass.Constexpr[bool]) -> list:
-    """This fragment's 24 GEMV terms and its sum of squares (25 FP32 values)."""
-    partial = [ptx.dot_bf16x8(fn_rows[row, None].load(), stream, mixed_fma) for row in range(MIX)]
-    partial.append(ptx.dot_bf16x8(stream, stream, mixed_fma))
-    return partial
-
-
-@cute.jit
-def gemv_partials_staged(
-    staged: cute.Pointer,
-    lane: Int32,
-    group: Int32,
-    stream: cute.TensorSSA,
-    groups: cutlass.Constexpr[int],
-    mixed_fma: cutlass.Constexpr[bool],
-) -> list:
-    """``gemv_partials`` with the ``fn`` fragments read from the staged slice (``fn_stage``)."""
-    partial = [
-        ptx.dot_bf16x8(fn_stage.load(staged, Int32(row), lane, group, groups, FN_ROTATION_STREAMS), stream, mixed_fma)
-        for row in range(MIX)
-    ]
+def gemv_partials(row_fragment: Callable[[int], cute.TensorSSA], stream: cute.TensorSSA, mixed_fma: bool) -> list:
+    """This fragment's 24 GEMV terms and its sum of squares (25 FP32 values); ``row_fragment(r)``
+    is the lane's ``fn`` fragment of row ``r`` (from registers or from the staged slice). Traced
+    inline: a plain function, so it can take the callable."""
+    partial = [ptx.dot_bf16x8(row_fragment(row), stream, mixed_fma) for row in range(MIX)]
     partial.append(ptx.dot_bf16x8(stream, stream, mixed_fma))
     return partial
 
@@ -246,10 +228,7 @@ class BoundaryKernel(DeviceKernel):
         column = Int64(fragment) * VEC_BF16
 
         smem = cutlass.memory.SmemAllocator()
-        fn_staged = smem.allocate_array(
-            Uint32, FN_CHUNKS * fn_chunk_words(groups, FN_ROTATION_STREAMS), byte_alignment=fn_stage.ALIGN
-        )
-        fn_barrier = smem.allocate_array(Int64, 1, byte_alignment=8)
+        fn_staged, fn_barrier = fn_stage.allocate(smem, groups, FN_ROTATION_STREAMS)
 
         if prefetch == Int32(0):
             cute.arch.griddepcontrol_wait()
@@ -289,7 +268,12 @@ class BoundaryKernel(DeviceKernel):
 
         partials = cute.make_rmem_tensor(cute.make_layout((VALUES,)), Float32)
         fn_stage.wait(fn_barrier)
-        terms = gemv_partials_staged(fn_staged, lane, tidx // HC, stream_words, groups, config.mixed_fma)
+        group = tidx // HC
+        terms = gemv_partials(
+            lambda row: fn_stage.load(fn_staged, Int32(row), lane, group, groups, FN_ROTATION_STREAMS),
+            stream_words,
+            config.mixed_fma,
+        )
         for k in cutlass.range_constexpr(VALUES):
             partials[k] = terms[k]
         warp_sums = smem.allocate_array(Float32, config.warps * VALUES)

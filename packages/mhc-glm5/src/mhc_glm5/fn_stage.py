@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64
+from cutlass import Int32, Int64, Uint32
 
 from mhc_core import ptx
 from mhc_core.constants import VEC_BF16
 
 from .config import FN_CHUNKS, FN_STAGE_ALIGN, HC, fn_chunk_words
 
-#: For the kernels' shared-memory allocation.
-ALIGN = FN_STAGE_ALIGN
+
+def allocate(smem: cutlass.memory.SmemAllocator, fragments: int, rotation: int) -> tuple:
+    """The staged slice (``Uint32``) and its mbarrier, first in the kernel's shared memory."""
+    staged = smem.allocate_array(Uint32, FN_CHUNKS * fn_chunk_words(fragments, rotation), byte_alignment=FN_STAGE_ALIGN)
+    return staged, smem.allocate_array(Int64, 1, byte_alignment=8)
 
 
 @cute.jit

@@ -157,7 +157,7 @@ class GroupBoundaryKernel(BoundaryKernel):
             kept[t, 0, None].store(stream_words)
             output = (Int64(token) * HC + Int64(lane)) * hidden + column
             ptx.store_u32x4(residual_out.toint() + output * 2, stream_words)
-            partial = gemv_partials(fn_rows, stream_words, config.mixed_fma)
+            partial = gemv_partials(lambda row: fn_rows[row, None].load(), stream_words, config.mixed_fma)
             for _ in cutlass.range_constexpr(WARP_SIZE - VALUES):
                 partial.append(Float32(0.0))
             total = reduce.warp_reduce_scatter(partial)

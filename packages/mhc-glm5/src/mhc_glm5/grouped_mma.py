@@ -47,7 +47,6 @@ from mhc_core.constants import VEC_BF16, WARP_SIZE
 from . import fn_stage
 from .boundary import BoundaryConfig, BoundaryKernel, inverse_rms, mixes_rstd, pre_mix, write_raw_mixes
 from .config import (
-    FN_CHUNKS,
     FN_ROTATION_ROWS,
     HC,
     MIX,
@@ -55,7 +54,6 @@ from .config import (
     MMA_FRAGMENTS_PER_WARP,
     MMA_TOKENS,
     VALUES,
-    fn_chunk_words,
     mma_shared_bytes,
     mma_threads,
 )
@@ -136,10 +134,7 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         last = m - 1
 
         smem = cutlass.memory.SmemAllocator()
-        fn_staged = smem.allocate_array(
-            Uint32, FN_CHUNKS * fn_chunk_words(fragments, FN_ROTATION_ROWS), byte_alignment=fn_stage.ALIGN
-        )
-        fn_barrier = smem.allocate_array(Int64, 1, byte_alignment=8)
+        fn_staged, fn_barrier = fn_stage.allocate(smem, fragments, FN_ROTATION_ROWS)
         staged = smem.allocate_array(Uint32, fragments * HC * tokens * 4, byte_alignment=16)
         mix_inputs = smem.allocate_array(Float32, tokens * MIX_INPUTS)
         warp_sums = smem.allocate_array(Float32, warps * tokens * VALUES)
