@@ -215,14 +215,13 @@ def glm5_breakdown(ctx: Context, ms: list[int], hidden: int = 4096) -> list[Reco
             op._pending_m = None  # the boundary below consumes this publish
             op._boundaries[tokens](
                 residual=residual, post=post, comb=comb, fn=fn, scale=scale, base=base, gamma=weight,
-                residual_out=torch.empty_like(residual), mixes_out=op.raw_mixes,
+                residual_out=torch.empty_like(residual), mixes_out=op.raw_mixes,  # not the hand-off rows
                 layer_input=torch.empty_like(x), prefetch=1, m=m,
             )  # fmt: skip
 
         floor = glm5_bytes(m, hidden) / ctx.bandwidth
         records.append(Record("glm5-breakdown", ctx.tp, m, f"call + join (x{tokens})", ctx.time(call), floor))
         records.append(Record("glm5-breakdown", ctx.tp, m, "publish + boundary", ctx.time(publish_boundary), floor))
-        op._ready_flags.zero_()  # no mixes kernel consumed the ready flags the boundaries set
     return records
 
 

@@ -51,3 +51,26 @@ def test_both_halves_negative_zero() -> None:
     word = np.array([NEGATIVE_ZERO_BF16_PAIR], dtype=np.uint32)
     assert has_negative_zero(word).all()
     assert sanitize(word)[0] == 0
+
+
+def test_fp32_negative_zero() -> None:
+    """The same expression on FP32 words (the hand-off rows): only 0x80000000 is -0; sanitising
+    changes it alone. Every pattern of the high half with four low halves, plus random words."""
+    from mhc_core.constants import NEGATIVE_ZERO_F32
+    from mhc_core.ptx import MAGNITUDE_F32, SIGN_F32
+
+    def f32_marks(words: np.ndarray) -> np.ndarray:
+        flipped = words ^ np.uint32(SIGN_F32)
+        return ((flipped & np.uint32(MAGNITUDE_F32)) + np.uint32(MAGNITUDE_F32)) | flipped
+
+    generator = np.random.default_rng(0)
+    words = np.concatenate(
+        [(PATTERNS << 16) | low for low in (0x0000, 0x0001, 0x8000, 0xFFFF)]
+        + [generator.integers(0, 2**32, 1 << 20, dtype=np.uint32)]
+    ).astype(np.uint32)
+    is_negative_zero = words == NEGATIVE_ZERO_F32
+    assert is_negative_zero.sum() == 1
+    detected = ((f32_marks(words) ^ np.uint32(SIGN_F32)) & np.uint32(SIGN_F32)) != 0
+    assert np.array_equal(detected, is_negative_zero)
+    cleaned = words & (f32_marks(words) | np.uint32(MAGNITUDE_F32))
+    assert np.array_equal(cleaned, np.where(is_negative_zero, np.uint32(0), words))

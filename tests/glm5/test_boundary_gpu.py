@@ -259,8 +259,8 @@ def test_cuda_graph_replays(m: int) -> None:
         check_boundary(op, outs, reference.all_reduce(partials, lanes=4), args, [o.raw_mixes[:m].clone() for o in ops])
 
 
-def test_mixes_kernel_gives_up_on_a_flag_never_set() -> None:
-    """The side-stream mixes kernel waits for each token's ready flag with the op's spin bound:
+def test_mixes_kernel_gives_up_on_raw_mixes_never_written() -> None:
+    """The side-stream mixes kernel polls each token's hand-off row with the op's spin bound:
     a boundary that never ran makes it report and finish instead of hanging."""
     from mhc_core import LamportTimeoutError
     from mhc_glm5 import AllReduceMhcBoundary, presets
@@ -271,8 +271,8 @@ def test_mixes_kernel_gives_up_on_a_flag_never_set() -> None:
     scale, base = torch.ones(3, device="cuda"), torch.zeros(24, device="cuda")
     post_out, comb_out = poisoned((3, HC, 1), torch.float32), poisoned((3, HC, HC), torch.float32)
     torch.cuda.synchronize()
-    op._mixes(mixes=op.raw_mixes, scale=scale, base=base, post_out=post_out, comb_out=comb_out, m=3)
+    op._mixes(scale=scale, base=base, post_out=post_out, comb_out=comb_out, m=3)
     torch.cuda.synchronize()  # returns: the kernel gave up on its own
     assert is_poisoned(post_out).all() and is_poisoned(comb_out).all()
-    with pytest.raises(LamportTimeoutError, match="ready flag"):
+    with pytest.raises(LamportTimeoutError, match="hand-off row"):
         op.check()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.core.test_kernels_cpu import compiled
-from tests.ptx_checks import count, loop_bodies, polls_volatile_in_loop
+from tests.ptx_checks import count, polls_volatile_in_loop
 
 ARCHS = ("sm_90a", "sm_100a")
 MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
@@ -33,15 +33,14 @@ def check_staged_fn(ptx: str) -> None:
     assert count(ptx, "mbarrier.try_wait.parity") == 1
 
 
-def check_protocol(ptx: str, flag_stores: int = 1) -> None:
+def check_protocol(ptx: str) -> None:
     """Every boundary: the poll spins on volatile loads under the time bound, one PDL wait after the
-    prologue and one trigger, and each token's ready flag is a release store (one per unrolled
-    token in the CUDA-core grouped kernel)."""
+    prologue and one trigger, and the raw mixes are handed off with no fence (``mhc_core.handoff``)."""
     assert polls_volatile_in_loop(ptx)
     assert count(ptx, "griddepcontrol.wait") == 2, "one in the no-prefetch branch, one after the prologue"
     assert count(ptx, "griddepcontrol.launch_dependents") == 1
     assert count(ptx, "%globaltimer") >= 1
-    assert count(ptx, "st.release.gpu.global.u32") == flag_stores
+    assert count(ptx, ".release.gpu") == 0 and count(ptx, "membar") == 0 and count(ptx, "fence.acq_rel") == 0
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -50,7 +49,7 @@ def test_cuda_core_boundaries(arch: str, tokens: int) -> None:
     """The one-token and CUDA-core grouped kernels: the GEMV's mixed-precision dot is
     ``fma.rn.f32.bf16`` on sm_100+, the exact unpack + ``fma.rn.f32`` on sm_90a."""
     ptx = compiled(boundary(arch, tokens), arch)
-    check_protocol(ptx, flag_stores=tokens)
+    check_protocol(ptx)
     if tokens == 1:
         check_staged_fn(ptx)
         # The 25-value reduction is one warp reduce-scatter (31 shuffles, not 125); the rest: the
@@ -93,11 +92,15 @@ def test_tensor_core_boundary_geometry() -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_mixes_kernel_waits_on_ready_flags(arch: str) -> None:
+def test_mixes_kernel_polls_the_handoff_rows(arch: str) -> None:
+    """Each token's 24 raw mixes: 6 volatile 16-byte loads in the spin loop, then 6 stores re-arm
+    the row and 6 copy it to the raw-mixes record."""
     from mhc_glm5.mixes import MixesConfig, MixesKernel
 
     ptx = compiled(MixesKernel(MixesConfig(hc_eps=1e-6, post_mult=2.0, sinkhorn_repeat=20)), arch)
-    assert any(any("ld.acquire.gpu.global.u32" in line for line in body) for body in loop_bodies(ptx))
+    assert polls_volatile_in_loop(ptx)
+    assert count(ptx, "ld.volatile.global.v4.u32") == 6
+    assert count(ptx, "st.global.v4.u32") == 12
     assert count(ptx, "bar.warp.sync") >= 1, "the warp converges before the Sinkhorn"
     assert count(ptx, "rcp.approx") == 4 + (4 + 19 * 4 + 20 * 4), "4 post sigmoids, then the Sinkhorn's"
 

@@ -16,6 +16,8 @@ NEGATIVE_ZERO_BF16 = 0x8000
 NEGATIVE_ZERO_BF16_PAIR = 0x80008000
 #: Low 15 bits of both halves of a bf16x2 word.
 MAGNITUDE_BF16_PAIR = 0x7FFF7FFF
+#: FP32 negative zero, the empty sentinel of the side-stream hand-off rows (``mhc_core.handoff``).
+NEGATIVE_ZERO_F32 = 0x80000000
 
 #: Architectures the kernels compile for.
 SUPPORTED_ARCHS = ("sm_90a", "sm_100a", "sm_103a")
@@ -25,5 +27,5 @@ ERROR_CODE, ERROR_STAGE, ERROR_TOKEN, ERROR_DETAIL, ERROR_RANKS = 0, 1, 2, 3, 4
 ERROR_NONE = 0
 ERROR_SPIN_TIMEOUT = 1
 ERROR_ROUTE_INDEX = 2
-#: A side-stream kernel gave up waiting for a ready flag its main-stream kernel sets.
-ERROR_READY_TIMEOUT = 3
+#: A side-stream kernel gave up waiting for a row its main-stream kernel hands off.
+ERROR_HANDOFF_TIMEOUT = 3

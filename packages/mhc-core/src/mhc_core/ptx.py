@@ -18,10 +18,13 @@ from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm, vector
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .constants import MAGNITUDE_BF16_PAIR, NEGATIVE_ZERO_BF16_PAIR, VEC_BF16
+from .constants import MAGNITUDE_BF16_PAIR, NEGATIVE_ZERO_BF16_PAIR, NEGATIVE_ZERO_F32, VEC_BF16
 
 #: Bit 15 of both halves: the BF16 sign bits of a bf16x2 word.
 SIGN_BF16_PAIR = 0x80008000
+#: The sign bit of an FP32 word, and the other 31 bits.
+SIGN_F32 = NEGATIVE_ZERO_F32
+MAGNITUDE_F32 = 0x7FFFFFFF
 #: PTX text of each instruction, named so tests can look for it in compiled PTX.
 PTX_LOAD_U32X4 = "ld.global.v4.u32 {$0, $1, $2, $3}, [$4];"
 PTX_LOAD_VOLATILE_U32X4 = "ld.volatile.global.v4.u32 {$0, $1, $2, $3}, [$4];"
@@ -30,8 +33,6 @@ PTX_MULTIMEM_STORE_BF16X8 = "multimem.st.relaxed.sys.global.v4.bf16x2 [$0], {$1,
 PTX_LOAD_VOLATILE_U32 = "ld.volatile.global.u32 $0, [$1];"
 PTX_STORE_U32 = "st.global.u32 [$0], $1;"
 PTX_STORE_SYSTEM_U32 = "st.relaxed.sys.global.u32 [$0], $1;"
-PTX_LOAD_ACQUIRE_U32 = "ld.acquire.gpu.global.u32 $0, [$1];"
-PTX_STORE_RELEASE_U32 = "st.release.gpu.global.u32 [$0], $1;"
 
 
 def _value(x, loc, ip) -> ir.Value:
@@ -112,24 +113,6 @@ def load_volatile_u32(address: Int64, *, loc=None, ip=None) -> Uint32:
 
 
 @dsl_user_op
-def load_acquire_u32(address: Int64, *, loc=None, ip=None) -> Uint32:
-    """A GPU-scope acquire load (a ready flag: what its releaser wrote before is visible after)."""
-    return Uint32(
-        llvm.inline_asm(
-            T.i32(),
-            [_value(Int64(address), loc, ip)],
-            PTX_LOAD_ACQUIRE_U32,
-            "=r,l,~{memory}",
-            has_side_effects=True,
-            asm_dialect=0,
-            loc=loc,
-            ip=ip,
-        )
-    )
-
-
-# -------------------------------------------------------------------------- stores
-@dsl_user_op
 def store_u32x4(address: Int64, words: cute.TensorSSA, *, loc=None, ip=None) -> None:
     """One 16-byte global store to a 64-bit address (local or a peer's mailbox)."""
     llvm.inline_asm(
@@ -175,21 +158,6 @@ def store_u32(address: Int64, value: Uint32, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def store_release_u32(address: Int64, value: Uint32, *, loc=None, ip=None) -> None:
-    """A GPU-scope release store (sets a ready flag after this thread's writes)."""
-    llvm.inline_asm(
-        None,
-        [_value(Int64(address), loc, ip), _value(Uint32(value), loc, ip)],
-        PTX_STORE_RELEASE_U32,
-        "l,r,~{memory}",
-        has_side_effects=True,
-        asm_dialect=0,
-        loc=loc,
-        ip=ip,
-    )
-
-
-@dsl_user_op
 def store_system_u32(address: Int64, value: Uint32, *, loc=None, ip=None) -> None:
     """A system-scope 32-bit store, visible to the host (the mapped error flag)."""
     llvm.inline_asm(
@@ -220,32 +188,75 @@ def sentinel_u32x4() -> cute.TensorSSA:
 
 
 @cute.jit
-def _negative_zero_marks(words: cute.TensorSSA) -> cute.TensorSSA:
-    """Per word, bit 15 of each half of ``~t`` set iff that half is BF16 -0.
+def _negative_zero_marks(words: cute.TensorSSA, sign: cutlass.Constexpr[int], magnitude: cutlass.Constexpr[int]):
+    """Per word, the ``sign`` bits of ``~t`` set iff that value is -0: BF16 halves
+    (``sign = 0x80008000``) or FP32 words (``sign = 0x80000000``).
 
-    ``x = w ^ 0x80008000`` maps -0 to 0; ``t = ((x & 0x7FFF7FFF) + 0x7FFF7FFF) | x``
-    has bit 15 of a half clear iff that half of ``x`` is 0 (no carry crosses halves:
-    the sum per half is at most 0xFFFE). Checked on all 65536 patterns in the tests.
+    ``x = w ^ sign`` maps -0 to 0; ``t = ((x & magnitude) + magnitude) | x`` has a value's
+    sign bit clear iff that value of ``x`` is 0 (no carry crosses BF16 halves: the sum per
+    half is at most 0xFFFE). Checked on all 65536 BF16 patterns in the tests.
     """
-    flipped = words ^ Uint32(SIGN_BF16_PAIR)
-    return ((flipped & Uint32(MAGNITUDE_BF16_PAIR)) + Uint32(MAGNITUDE_BF16_PAIR)) | flipped
+    flipped = words ^ Uint32(sign)
+    return ((flipped & Uint32(magnitude)) + Uint32(magnitude)) | flipped
 
 
 @cute.jit
-def has_negative_zero(words: cute.TensorSSA) -> Boolean:
-    """True if any of the 8 BF16 halves is negative zero (the slot is not yet written)."""
-    # Sign bits of ~t: xor with SIGN_BF16_PAIR, then keep those bits.
-    marks = (_negative_zero_marks(words) ^ Uint32(SIGN_BF16_PAIR)) & Uint32(SIGN_BF16_PAIR)
+def _any_negative_zero(words: cute.TensorSSA, sign: cutlass.Constexpr[int], magnitude: cutlass.Constexpr[int]):
+    # Sign bits of ~t: xor with the sign mask, then keep those bits.
+    marks = (_negative_zero_marks(words, sign, magnitude) ^ Uint32(sign)) & Uint32(sign)
     found = marks[0] | marks[1] | marks[2] | marks[3]
     return found != Uint32(0)
 
 
 @cute.jit
+def has_negative_zero(words: cute.TensorSSA) -> Boolean:
+    """True if any of the 8 BF16 halves is negative zero (the slot is not yet written)."""
+    return _any_negative_zero(words, SIGN_BF16_PAIR, MAGNITUDE_BF16_PAIR)
+
+
+@cute.jit
 def sanitize_negative_zero(words: cute.TensorSSA) -> cute.TensorSSA:
     """Turn every BF16 -0 half into +0 and leave all other bit patterns unchanged."""
-    return words & (_negative_zero_marks(words) | Uint32(MAGNITUDE_BF16_PAIR))
+    return words & (_negative_zero_marks(words, SIGN_BF16_PAIR, MAGNITUDE_BF16_PAIR) | Uint32(MAGNITUDE_BF16_PAIR))
 
 
+# --------------------------------------------------------------- FP32 bit tricks
+@cute.jit
+def f32_sentinel_u32x4() -> cute.TensorSSA:
+    """4 words of FP32 negative zeros (the empty hand-off slot)."""
+    words = cute.make_rmem_tensor(cute.make_layout((4,)), Uint32)
+    words.fill(Uint32(NEGATIVE_ZERO_F32))
+    return words.load()
+
+
+@cute.jit
+def has_negative_zero_f32(words: cute.TensorSSA) -> Boolean:
+    """True if any of the 4 FP32 words is negative zero."""
+    return _any_negative_zero(words, SIGN_F32, MAGNITUDE_F32)
+
+
+@cute.jit
+def sanitize_negative_zero_f32(words: cute.TensorSSA) -> cute.TensorSSA:
+    """Turn every FP32 -0 word into +0 and leave all other bit patterns unchanged."""
+    return words & (_negative_zero_marks(words, SIGN_F32, MAGNITUDE_F32) | Uint32(MAGNITUDE_F32))
+
+
+@dsl_user_op
+def f32x4_to_words(values: cute.TensorSSA, *, loc=None, ip=None) -> cute.TensorSSA:
+    """Reinterpret 4 FP32 values as 4 words (no conversion)."""
+    vec = values.ir_value(loc=loc, ip=ip) if hasattr(values, "ir_value") else values
+    return cute.TensorSSA(vector.bitcast(ir.VectorType.get([4], T.i32()), vec, loc=loc, ip=ip), (4,), Uint32)
+
+
+@dsl_user_op
+def words_to_f32x4(words: cute.TensorSSA, *, loc=None, ip=None) -> cute.TensorSSA:
+    """Reinterpret 4 words as 4 FP32 values (no conversion)."""
+    vec = words.ir_value(loc=loc, ip=ip) if hasattr(words, "ir_value") else words
+    values = vector.bitcast(ir.VectorType.get([4], Float32.mlir_type), vec, loc=loc, ip=ip)
+    return cute.TensorSSA(values, (4,), Float32)
+
+
+# ------------------------------------------------------------ packing BF16 values
 @dsl_user_op
 def words_to_bf16x8(words: cute.TensorSSA, *, loc=None, ip=None) -> cute.TensorSSA:
     """Reinterpret 4 packed words as 8 BF16 values (no conversion)."""

@@ -8,8 +8,8 @@ op raises at its next call or on ``check()``; the mailbox is then inconsistent
 (some slots were never consumed), so the op refuses every later call until it is
 rebuilt.
 
-The same bound covers a side-stream kernel's wait for a ready flag
-(``mhc_core.ready``, ``ERROR_READY_TIMEOUT``). It is off by default (a limit of 0
+The same bound covers a side-stream kernel's wait for a handed-off row
+(``mhc_core.handoff``, ``ERROR_HANDOFF_TIMEOUT``). It is off by default (a limit of 0
 costs one predicated compare per poll round); ``spin_timeout_ms=`` or
 ``MHC_SPIN_TIMEOUT_MS`` turns it on. The project's own tests run with it on.
 """
@@ -23,9 +23,9 @@ import torch
 from .constants import (
     ERROR_CODE,
     ERROR_DETAIL,
+    ERROR_HANDOFF_TIMEOUT,
     ERROR_NONE,
     ERROR_RANKS,
-    ERROR_READY_TIMEOUT,
     ERROR_ROUTE_INDEX,
     ERROR_SPIN_TIMEOUT,
     ERROR_STAGE,
@@ -106,10 +106,10 @@ class SpinGuard:
             )
             self.failure = error
             raise error
-        if code == ERROR_READY_TIMEOUT:
+        if code == ERROR_HANDOFF_TIMEOUT:
             error = LamportTimeoutError(
                 f"the side-stream kernel timed out after {self.timeout_ms} ms waiting for token "
-                f"{words[ERROR_TOKEN]}'s ready flag (the main-stream kernel never set it)",
+                f"{words[ERROR_TOKEN]}'s hand-off row (the main-stream kernel never wrote it)",
                 stage=-1,
                 token=words[ERROR_TOKEN],
                 missing_ranks=(),

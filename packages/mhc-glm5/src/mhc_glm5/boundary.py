@@ -10,8 +10,8 @@ cluster_size`` groups of 4 lanes, one group per 16-byte fragment. Lane ``j``:
    stored as ``residual_out``;
 3. adds its share of the 24-row GEMV ``fn[r, j * hidden + c] * s_j[c]`` and of
    ``sum s_j^2``; the 25 sums are reduced over the cluster through DSMEM; CTA 0
-   writes the raw mixes ``gemv * rsqrt(sum / (4 hidden) + rms_eps)`` and sets the
-   token's ready flag for the side-stream mixes kernel (``mhc_core.ready``);
+   hands the raw mixes ``gemv * rsqrt(sum / (4 hidden) + rms_eps)`` off to the
+   side-stream mixes kernel (``mhc_core.handoff``);
 4. collapses ``bf16((t0 + t1) + (t2 + t3))`` with ``t_j = s_j * pre_j``,
    ``pre_j = sigmoid(raw[j] * scale[0] + base[j]) + hc_eps``, and RMS-normalises it
    after a second, one-value cluster reduction.
@@ -30,8 +30,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 
-from mhc_core import protocol, ptx, reduce
-from mhc_core import ready as flag
+from mhc_core import handoff, protocol, ptx, reduce
 from mhc_core.collective import mailbox_params
 from mhc_core.compiler import DeviceKernel
 from mhc_core.constants import VEC_BF16, WARP_SIZE
@@ -91,8 +90,7 @@ def boundary_signature() -> Signature:
         Param("base", Ptr(Float32, 4)),
         Param("gamma", Ptr(BFloat16)),
         Param("residual_out", Ptr(BFloat16)),
-        Param("mixes_out", Ptr(Float32, 4)),
-        Param("ready", Ptr(Int32, 4)),
+        Param("mixes_out", Ptr(Float32, 16)),
         Param("layer_input", Ptr(BFloat16)),
         Param("prefetch", Scalar(Int32)),
         *mailbox_params(),
@@ -129,13 +127,11 @@ def mixes_rstd(totals: cute.Pointer, hidden: cutlass.Constexpr[int], rms_eps: cu
 
 
 @cute.jit
-def write_raw_mixes(totals: cute.Pointer, rstd: Float32, mixes_out: cute.Pointer, ready: cute.Pointer, token: Int32):
-    """One thread: the token's 24 raw mixes ``totals[r] * rstd``, then its ready flag for the
-    side-stream mixes kernel (``mhc_core.ready``)."""
-    row = mixes_out + Int64(token) * MIX
-    for r in cutlass.range_constexpr(MIX):
-        cute.arch.store((row + r).llvm_ptr, cute.arch.load((totals + r).llvm_ptr, Float32) * rstd)
-    flag.signal(ready.toint(), token)
+def write_raw_mixes(totals: cute.Pointer, rstd: Float32, mixes_out: cute.Pointer, token: Int32):
+    """One thread: the token's 24 raw mixes ``totals[r] * rstd``, handed off to the side-stream
+    mixes kernel (``mhc_core.handoff``)."""
+    raw = [cute.arch.load((totals + r).llvm_ptr, Float32) * rstd for r in range(MIX)]
+    handoff.write_row(mixes_out.toint(), token, raw, MIX)
 
 
 @cute.jit
@@ -174,12 +170,12 @@ class BoundaryKernel(DeviceKernel):
 
     @cute.jit
     def __call__(
-        self, residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, ready, layer_input,
+        self, residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input,
         prefetch, mailbox, stage_state, capacity, spin_limit_ns, error_flag, m, stream,
     ):  # fmt: skip
         config = self.config
         self.kernel(
-            residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, ready, layer_input, prefetch,
+            residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input, prefetch,
             mailbox, stage_state, capacity, spin_limit_ns, error_flag, m,
         ).launch(
             grid=((m + config.tokens - 1) // config.tokens, config.cluster_size, 1),
@@ -208,7 +204,6 @@ class BoundaryKernel(DeviceKernel):
         gamma: cute.Pointer,
         residual_out: cute.Pointer,
         mixes_out: cute.Pointer,
-        ready: cute.Pointer,
         layer_input: cute.Pointer,
         prefetch: Int32,
         mailbox: cute.Tensor,
@@ -288,7 +283,7 @@ class BoundaryKernel(DeviceKernel):
 
         rstd = mixes_rstd(totals, hidden, config.rms_eps)
         if (cluster_rank == 0) & (tidx == 0):
-            write_raw_mixes(totals, rstd, mixes_out, ready, token)
+            write_raw_mixes(totals, rstd, mixes_out, token)
         mix = cute.arch.load((totals + lane).llvm_ptr, Float32) * rstd
         prenorm_words = collapse_streams(stream_words, pre_mix(mix, scale, base, lane, Float32(config.hc_eps)))
 

@@ -66,7 +66,6 @@ class GroupBoundaryKernel(BoundaryKernel):
         gamma: cute.Pointer,
         residual_out: cute.Pointer,
         mixes_out: cute.Pointer,
-        ready: cute.Pointer,
         layer_input: cute.Pointer,
         prefetch: Int32,
         mailbox: cute.Tensor,
@@ -195,7 +194,7 @@ class GroupBoundaryKernel(BoundaryKernel):
         for t in cutlass.range_constexpr(tokens):
             rstd = mixes_rstd(totals + t * VALUES, hidden, config.rms_eps)
             if (cluster_rank == 0) & (tidx == Int32(t)) & (first + t <= last):
-                write_raw_mixes(totals + t * VALUES, rstd, mixes_out, ready, first + t)
+                write_raw_mixes(totals + t * VALUES, rstd, mixes_out, first + t)
             mix = cute.arch.load((totals + t * VALUES + lane).llvm_ptr, Float32) * rstd
             prenorm_words = collapse_streams(kept[t, 0, None].load(), pre_mix(mix, scale, base, lane, hc_eps))
             kept[t, 0, None].store(prenorm_words)

@@ -106,7 +106,6 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         gamma: cute.Pointer,
         residual_out: cute.Pointer,
         mixes_out: cute.Pointer,
-        ready: cute.Pointer,
         layer_input: cute.Pointer,
         prefetch: Int32,
         mailbox: cute.Tensor,
@@ -273,12 +272,12 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
                 cute.arch.store((totals + index).llvm_ptr, reduce.cluster_total(cluster_sums, index, pairs, cluster))
         cute.arch.barrier()
 
-        # Raw mixes and ready flags (CTA 0, one warp per token), then the collapse of each token.
+        # Raw mixes handed off (CTA 0, one warp per token), then the collapse of each token.
         for trip in cutlass.range_constexpr(-(-tokens // warps)):
             t = warp + trip * warps
             if (cluster_rank == 0) & (lane_id == 0) & (t < Int32(tokens)) & (first + t <= last):
                 rstd = mixes_rstd(totals + t * VALUES, hidden, config.rms_eps)
-                write_raw_mixes(totals + t * VALUES, rstd, mixes_out, ready, first + t)
+                write_raw_mixes(totals + t * VALUES, rstd, mixes_out, first + t)
         hc_eps = Float32(config.hc_eps)
         prenorm = cute.make_rmem_tensor(
             cute.make_layout((halves, LANE_FRAGMENTS, 4), stride=(LANE_FRAGMENTS * 4, 4, 1)), Uint32

@@ -6,9 +6,9 @@ turns a boundary's raw mixes into the next boundary's post-mix and residual mix.
 (``mhc_core.sinkhorn``). The grid has ``ceil(M / threads)`` CTAs: no one-CTA limit
 on ``max_num_tokens``.
 
-The op launches it alongside the boundary (``mhc_core.ready``): each thread waits for
-its token's ready flag, which the boundary sets right after writing that token's
-raw mixes, and clears it when done.
+The op launches it alongside the boundary: each thread polls its token's row of the
+hand-off buffer (``mhc_core.handoff``), where the boundary writes the raw mixes, re-arms
+it and keeps a copy in ``raw_out`` (the op's ``raw_mixes``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, Int64
 
-from mhc_core import ready as flag
+from mhc_core import handoff
 from mhc_core.compiler import DeviceKernel
 from mhc_core.fastmath import sigmoid
 from mhc_core.signature import Param, Ptr, Scalar, Signature, Stream
@@ -42,12 +42,12 @@ class MixesKernel(DeviceKernel):
 
     def signature(self) -> Signature:
         return (
-            Param("mixes", Ptr(Float32, 4)),
+            Param("mixes", Ptr(Float32, 16)),
+            Param("raw_out", Ptr(Float32, 16)),
             Param("scale", Ptr(Float32, 4)),
             Param("base", Ptr(Float32, 4)),
             Param("post_out", Ptr(Float32, 4)),
             Param("comb_out", Ptr(Float32, 4)),
-            Param("ready", Ptr(Int32, 4)),
             Param("spin_limit_ns", Scalar(Int64)),
             Param("error_flag", Scalar(Int64)),
             Param("m", Scalar(Int32)),
@@ -55,9 +55,9 @@ class MixesKernel(DeviceKernel):
         )
 
     @cute.jit
-    def __call__(self, mixes, scale, base, post_out, comb_out, ready, spin_limit_ns, error_flag, m, stream):
+    def __call__(self, mixes, raw_out, scale, base, post_out, comb_out, spin_limit_ns, error_flag, m, stream):
         threads = self.config.threads
-        self.kernel(mixes, scale, base, post_out, comb_out, ready, spin_limit_ns, error_flag, m).launch(
+        self.kernel(mixes, raw_out, scale, base, post_out, comb_out, spin_limit_ns, error_flag, m).launch(
             grid=((m + threads - 1) // threads, 1, 1), block=(threads, 1, 1), stream=stream
         )
 
@@ -65,11 +65,11 @@ class MixesKernel(DeviceKernel):
     def kernel(
         self,
         mixes: cute.Pointer,
+        raw_out: cute.Pointer,
         scale: cute.Pointer,
         base: cute.Pointer,
         post_out: cute.Pointer,
         comb_out: cute.Pointer,
-        ready: cute.Pointer,
         spin_limit_ns: Int64,
         error_flag: Int64,
         m: Int32,
@@ -78,26 +78,27 @@ class MixesKernel(DeviceKernel):
         tidx, _, _ = cute.arch.thread_idx()
         block, _, _ = cute.arch.block_idx()
         token = block * config.threads + tidx
-        flags = ready.toint()
+        rows = mixes.toint()
         # The weights do not depend on the boundary: load them while it runs.
         post_scale = cute.arch.load((scale + 1).llvm_ptr, Float32)
         comb_scale = cute.arch.load((scale + 2).llvm_ptr, Float32)
         bias = [cute.arch.load((base + HC + k).llvm_ptr, Float32) for k in range(MIX - HC)]
+        raw = cute.make_rmem_tensor(cute.make_layout((MIX,)), Float32)
         arrived = Boolean(False)
         if token < m:
-            arrived = flag.wait(flags, token, spin_limit_ns, error_flag)
-        # Tokens become ready at different times; a warp that ran each one's Sinkhorn as it
-        # arrived would run them one after another (diverged). Wait for the warp's last one.
+            arrived = handoff.wait_row(raw, rows, token, MIX, spin_limit_ns, error_flag)
+            handoff.rearm_row(rows, token, MIX)
+            handoff.write_row(raw_out.toint(), token, raw, MIX)
+        # Tokens arrive at different times; a warp that ran each one's Sinkhorn as it arrived
+        # would run them one after another (diverged). Wait for the warp's last one.
         cute.arch.sync_warp()
         if arrived:
-            self.mix(mixes, post_scale, comb_scale, bias, post_out, comb_out, token)
-        if token < m:
-            flag.clear(flags, token)
+            self.mix(raw, post_scale, comb_scale, bias, post_out, comb_out, token)
 
     @cute.jit
     def mix(
         self,
-        mixes: cute.Pointer,
+        raw: cute.Tensor,
         post_scale: Float32,
         comb_scale: Float32,
         bias: list,
@@ -105,16 +106,12 @@ class MixesKernel(DeviceKernel):
         comb_out: cute.Pointer,
         token: Int32,
     ):
-        """``bias`` is ``base[4:24]``."""
+        """``raw`` is the token's 24 raw mixes, ``bias`` is ``base[4:24]``."""
         config = self.config
-        row = mixes + Int64(token) * MIX
         for j in cutlass.range_constexpr(HC):
-            logit = cute.arch.load((row + HC + j).llvm_ptr, Float32) * post_scale + bias[j]
-            value = sigmoid(logit) * Float32(config.post_mult)
+            value = sigmoid(raw[HC + j] * post_scale + bias[j]) * Float32(config.post_mult)
             cute.arch.store((post_out + Int64(token) * HC + j).llvm_ptr, value)
-        logits = [
-            cute.arch.load((row + 2 * HC + k).llvm_ptr, Float32) * comb_scale + bias[HC + k] for k in range(HC * HC)
-        ]
+        logits = [raw[2 * HC + k] * comb_scale + bias[HC + k] for k in range(HC * HC)]
         mix = sinkhorn4(logits, Float32(config.hc_eps), config.sinkhorn_repeat)
         for k in cutlass.range_constexpr(HC * HC):
             cute.arch.store((comb_out + Int64(token) * HC * HC + k).llvm_ptr, mix[k])

@@ -4,10 +4,11 @@ Per call: a publish and the boundary on the current stream, PDL-chained (the
 publish lets the boundary launch right after its wait, before its stores: the
 boundary reads the mailbox only after its own wait), and the mixes kernel on a
 side stream. The side stream forks before the boundary, so the mixes kernel runs
-alongside it: each of its threads waits for its token's ready flag, which the
-boundary sets right after writing that token's raw mixes (``mhc_core.ready``).
-``post_out`` / ``comb_out`` are complete only after ``join()``; the next call joins
-first. The raw mixes and the flags live in buffers the op owns, so they outlive it.
+alongside it: each of its threads polls its token's row of a hand-off buffer, where
+the boundary writes the raw mixes (``mhc_core.handoff``: empty slots hold -0, so no
+flag and no fence). ``post_out`` / ``comb_out`` are complete only after ``join()``;
+the next call joins first. The hand-off rows and the raw mixes live in buffers the
+op owns, so they outlive it.
 
 Inside CUDA-graph capture, call ``join()`` before the capture ends, so the side
 stream rejoins the captured one.
@@ -110,9 +111,9 @@ class AllReduceMhcBoundary(LamportOp):
         for tokens in self.preset.grouped_sizes:
             self._boundary_kernels[tokens] = self._compile(kernel_from_spec(*specs[f"boundary_x{tokens}"]))
         self._mixes_kernel = self._compile(kernel_from_spec(*specs["mixes"]))
+        # Per token: the boundary writes the raw mixes, the mixes kernel polls, copies and re-arms them.
+        self._mixes_handoff = torch.full((self.capacity, MIX), -0.0, dtype=torch.float32, device=self.device)
         self._raw_mixes = torch.empty(self.capacity, MIX, dtype=torch.float32, device=self.device)
-        # Per token: set by the boundary once its raw mixes are written, cleared by the mixes kernel.
-        self._ready_flags = torch.zeros(self.capacity, dtype=torch.int32, device=self.device)
         self._side = torch.cuda.Stream(self.device)
         self._pending: torch.cuda.Event | None = None
         self._setup()
@@ -170,7 +171,8 @@ class AllReduceMhcBoundary(LamportOp):
 
     @property
     def raw_mixes(self) -> torch.Tensor:
-        """``[max_num_tokens, 24]`` FP32: rows ``[:M]`` hold the last call's raw mixes (after ``join()``)."""
+        """``[max_num_tokens, 24]`` FP32: rows ``[:M]`` hold the last call's raw mixes (after ``join()``;
+        a raw mix of -0 reads +0, which gives the same mixes)."""
         return self._raw_mixes
 
     def tokens_per_cluster(self, m: int) -> int:
@@ -181,11 +183,11 @@ class AllReduceMhcBoundary(LamportOp):
     def _bind_collectives(self) -> None:
         fixed = self._collective_fixed()
         self._boundaries: dict[int, BoundKernel] = {
-            tokens: self._bind(kernel, dict(fixed, ready=self._ready_flags))
+            tokens: self._bind(kernel, dict(fixed, mixes_out=self._mixes_handoff))
             for tokens, kernel in self._boundary_kernels.items()
         }
         spin = {"spin_limit_ns": fixed["spin_limit_ns"], "error_flag": fixed["error_flag"]}
-        self._mixes = self._bind(self._mixes_kernel, dict(spin, ready=self._ready_flags))
+        self._mixes = self._bind(self._mixes_kernel, dict(spin, mixes=self._mixes_handoff, raw_out=self._raw_mixes))
 
     def _warmup_collects(self) -> list[Callable[[bool], Any]]:
         hidden, device = self.hidden_size, self.device
@@ -233,11 +235,11 @@ class AllReduceMhcBoundary(LamportOp):
         boundary = self._boundaries[tokens if tokens is not None else self.tokens_per_cluster(m)]
 
         def collect(after_publish: bool) -> Outputs:
-            # The previous mixes kernel still reads the raw-mixes buffer and the flags until joined.
+            # The previous mixes kernel still reads and re-arms the hand-off rows until joined.
             self.join()
             current = torch.cuda.current_stream(device)
-            # The mixes kernel waits only for what precedes the boundary, then for each token's
-            # ready flag: it runs alongside the boundary instead of one launch after it.
+            # The mixes kernel waits only for what precedes the boundary, then polls each token's
+            # hand-off row: it runs alongside the boundary instead of one launch after it.
             fork = torch.cuda.Event()
             fork.record(current)
             boundary(
@@ -249,7 +251,6 @@ class AllReduceMhcBoundary(LamportOp):
                 base=base,
                 gamma=norm_weight,
                 residual_out=residual_out,
-                mixes_out=self._raw_mixes,
                 layer_input=layer_input,
                 prefetch=int(after_publish),
                 m=m,
@@ -257,7 +258,7 @@ class AllReduceMhcBoundary(LamportOp):
             # Launched after the boundary, so a boundary that fails to launch leaves no waiter.
             self._side.wait_event(fork)
             with torch.cuda.stream(self._side):
-                self._mixes(mixes=self._raw_mixes, scale=scale, base=base, post_out=post_out, comb_out=comb_out, m=m)
+                self._mixes(scale=scale, base=base, post_out=post_out, comb_out=comb_out, m=m)
                 self._pending = torch.cuda.Event()
                 self._pending.record(self._side)
             if not torch.cuda.is_current_stream_capturing():
