@@ -52,6 +52,10 @@ def test_cuda_core_boundaries(arch: str, tokens: int) -> None:
     check_protocol(ptx)
     if tokens == 1:
         check_staged_fn(ptx)
+        from mhc_glm5.config import SM_SHARED_BYTES
+
+        # Two CTAs of the one-token kernel never share an SM (each also reserves 1 KiB).
+        assert 2 * (boundary(arch, tokens).shared_bytes() + 1024) > SM_SHARED_BYTES
         # The 25-value reduction is one warp reduce-scatter (31 shuffles, not 125); the rest: the
         # rank-lane and collapse butterflies (2 x 2 x 8) and the 1-value reduction (5).
         assert count(ptx, "shfl.sync") <= 31 + 32 + 5 + 3

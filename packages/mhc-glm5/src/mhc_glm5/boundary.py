@@ -43,7 +43,7 @@ from .config import (
     HC,
     MIX,
     VALUES,
-    boundary_shared_bytes,
+    boundary_launch_shared_bytes,
     boundary_threads,
 )
 
@@ -187,7 +187,7 @@ class BoundaryKernel(DeviceKernel):
         )  # fmt: skip
 
     def shared_bytes(self) -> int:
-        return boundary_shared_bytes(self.config.hidden, self.config.cluster_size)
+        return boundary_launch_shared_bytes(self.config.hidden, self.config.cluster_size)
 
     def block_threads(self) -> int:
         return self.config.threads

@@ -81,6 +81,22 @@ def boundary_threads(hidden: int, cluster_size: int) -> int:
     return hidden // VEC_BF16 // cluster_size * HC
 
 
+#: Shared memory of one SM on sm_90 / sm_100 (228 KiB; each resident CTA also reserves 1 KiB).
+SM_SHARED_BYTES = 233472
+#: A CTA that asks for at least this much runs alone on its SM.
+ALONE_ON_SM_BYTES = SM_SHARED_BYTES // 2
+
+
+def boundary_launch_shared_bytes(hidden: int, cluster_size: int) -> int:
+    """What the one-token kernel asks for: its own needs, and at least ``ALONE_ON_SM_BYTES``.
+
+    Why: measured on the H200 (hidden 4096, M = 8), the scheduler placed some clusters' CTAs
+    (103 KB each) two to an SM; their fn copies and GEMVs shared it, and their raw mixes were
+    handed off 1.4 us after the other clusters', so the side-stream mixes waited for them.
+    """
+    return max(boundary_shared_bytes(hidden, cluster_size), ALONE_ON_SM_BYTES)
+
+
 def boundary_shared_bytes(hidden: int, cluster_size: int) -> int:
     """One-token kernel: the staged ``fn``, the 25-value reduction (warp sums, peer slots, totals),
     then the 1-value one."""
@@ -291,7 +307,7 @@ class GLM5Preset:
             "cluster": (1, self.cluster_size, 1),
             "threads": self.threads,
             "fragment_groups_per_cta": self.fragments // self.cluster_size,
-            "shared_bytes": boundary_shared_bytes(self.hidden, self.cluster_size),
+            "shared_bytes": boundary_launch_shared_bytes(self.hidden, self.cluster_size),
             "grouped_shared_bytes": {
                 tokens: grouped_kernel_shared_bytes(self.hidden, self.cluster_size, tokens)
                 for tokens in self.grouped_sizes

@@ -49,7 +49,7 @@ GEOMETRY: dict[str, Any] = {
     "cluster": (1, 8, 1),
     "threads": 256,
     "fragment_groups_per_cta": 64,
-    "shared_bytes": 103276,
+    "shared_bytes": 116736,
     "grouped_shared_bytes": {2: 11880, 8: 154152, 16: 208328},
     "publish_grid": "(M, 4, 1)",
     "publish_threads": 128,

@@ -49,7 +49,7 @@ GEOMETRY: dict[str, Any] = {
     "cluster": (1, 8, 1),
     "threads": 288,
     "fragment_groups_per_cta": 72,
-    "shared_bytes": 115668,
+    "shared_bytes": 116736,
     "grouped_shared_bytes": {2: 13112, 8: 172200},
     "publish_grid": "(M, 5, 1)",
     "publish_threads": 128,
