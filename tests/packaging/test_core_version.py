@@ -1,4 +1,4 @@
-"""The model packages refuse an mhc-core outside their pin (``~=0.1.0``, ``~=0.1.2``) at import."""
+"""The model packages refuse an mhc-core outside their pin (``~=0.2.0``) at import."""
 
 from __future__ import annotations
 
@@ -46,26 +46,27 @@ def import_with_core(package: str, distribution: str, version: str, tmp_path: Pa
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
 
 
-PINS = [("mhc_dsv41", "mhc-dsv41", "~=0.1.0"), ("mhc_glm5", "mhc-glm5", "~=0.1.2")]
+PINS = [("mhc_dsv41", "mhc-dsv41", "~=0.2.0"), ("mhc_glm5", "mhc-glm5", "~=0.2.0")]
 
 
 @pytest.mark.parametrize(("package", "distribution", "pin"), PINS)
 def test_import_refuses_a_newer_core(package: str, distribution: str, pin: str, tmp_path: Path) -> None:
-    result = import_with_core(package, distribution, "0.2.0", tmp_path)
+    result = import_with_core(package, distribution, "0.3.0", tmp_path)
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: "), result.stderr
-    assert f"{package} needs mhc-core {pin}, but mhc-core 0.2.0 is installed" in last
+    assert f"{package} needs mhc-core {pin}, but mhc-core 0.3.0 is installed" in last
 
 
-def test_glm5_refuses_the_core_without_bulk_copies(tmp_path: Path) -> None:
-    result = import_with_core("mhc_glm5", "mhc-glm5", "0.1.1", tmp_path)
+@pytest.mark.parametrize(("package", "distribution"), [("mhc_dsv41", "mhc-dsv41"), ("mhc_glm5", "mhc-glm5")])
+def test_import_refuses_the_core_with_ready_flags(package: str, distribution: str, tmp_path: Path) -> None:
+    result = import_with_core(package, distribution, "0.1.2", tmp_path)
     assert result.returncode != 0
-    assert "mhc_glm5 needs mhc-core ~=0.1.2, but mhc-core 0.1.1 is installed" in result.stderr
+    assert f"{package} needs mhc-core ~=0.2.0, but mhc-core 0.1.2 is installed" in result.stderr
 
 
 @pytest.mark.parametrize(("package", "distribution"), [("mhc_dsv41", "mhc-dsv41"), ("mhc_glm5", "mhc-glm5")])
 def test_import_accepts_a_patch_release(package: str, distribution: str, tmp_path: Path) -> None:
-    result = import_with_core(package, distribution, "0.1.5", tmp_path)
+    result = import_with_core(package, distribution, "0.2.5", tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "imported"
