@@ -112,6 +112,7 @@ def load_volatile_u32(address: Int64, *, loc=None, ip=None) -> Uint32:
     )
 
 
+# -------------------------------------------------------------------------- stores
 @dsl_user_op
 def store_u32x4(address: Int64, words: cute.TensorSSA, *, loc=None, ip=None) -> None:
     """One 16-byte global store to a 64-bit address (local or a peer's mailbox)."""
