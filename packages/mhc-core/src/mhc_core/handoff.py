@@ -45,7 +45,7 @@ def write_row(rows: Int64, index: Int32, values: list, width: cutlass.Constexpr[
         quad = cute.make_rmem_tensor(cute.make_layout((WORD_VALUES,)), Float32)
         for k in cutlass.range_constexpr(WORD_VALUES):
             quad[k] = values[group * WORD_VALUES + k]
-        words = ptx.sanitize_negative_zero_f32(ptx.f32x4_to_words(quad.load()))
+        words = ptx.sanitize_negative_zero_f32(ptx.as_words(quad.load()))
         ptx.store_u32x4(_address(rows, index, width, group), words)
 
 

@@ -181,11 +181,16 @@ def store_sentinel_u32x4(address: Int64) -> None:
 
 # --------------------------------------------------------------- BF16 bit tricks
 @cute.jit
+def _splat_u32x4(word: cutlass.Constexpr[int]) -> cute.TensorSSA:
+    words = cute.make_rmem_tensor(cute.make_layout((4,)), Uint32)
+    words.fill(Uint32(word))
+    return words.load()
+
+
+@cute.jit
 def sentinel_u32x4() -> cute.TensorSSA:
     """4 words of BF16 negative zeros (the empty-slot sentinel)."""
-    words = cute.make_rmem_tensor(cute.make_layout((4,)), Uint32)
-    words.fill(Uint32(NEGATIVE_ZERO_BF16_PAIR))
-    return words.load()
+    return _splat_u32x4(NEGATIVE_ZERO_BF16_PAIR)
 
 
 @cute.jit
@@ -210,6 +215,11 @@ def _any_negative_zero(words: cute.TensorSSA, sign: cutlass.Constexpr[int], magn
 
 
 @cute.jit
+def _sanitize(words: cute.TensorSSA, sign: cutlass.Constexpr[int], magnitude: cutlass.Constexpr[int]):
+    return words & (_negative_zero_marks(words, sign, magnitude) | Uint32(magnitude))
+
+
+@cute.jit
 def has_negative_zero(words: cute.TensorSSA) -> Boolean:
     """True if any of the 8 BF16 halves is negative zero (the slot is not yet written)."""
     return _any_negative_zero(words, SIGN_BF16_PAIR, MAGNITUDE_BF16_PAIR)
@@ -218,16 +228,14 @@ def has_negative_zero(words: cute.TensorSSA) -> Boolean:
 @cute.jit
 def sanitize_negative_zero(words: cute.TensorSSA) -> cute.TensorSSA:
     """Turn every BF16 -0 half into +0 and leave all other bit patterns unchanged."""
-    return words & (_negative_zero_marks(words, SIGN_BF16_PAIR, MAGNITUDE_BF16_PAIR) | Uint32(MAGNITUDE_BF16_PAIR))
+    return _sanitize(words, SIGN_BF16_PAIR, MAGNITUDE_BF16_PAIR)
 
 
 # --------------------------------------------------------------- FP32 bit tricks
 @cute.jit
 def f32_sentinel_u32x4() -> cute.TensorSSA:
     """4 words of FP32 negative zeros (the empty hand-off slot)."""
-    words = cute.make_rmem_tensor(cute.make_layout((4,)), Uint32)
-    words.fill(Uint32(NEGATIVE_ZERO_F32))
-    return words.load()
+    return _splat_u32x4(NEGATIVE_ZERO_F32)
 
 
 @cute.jit
@@ -239,39 +247,33 @@ def has_negative_zero_f32(words: cute.TensorSSA) -> Boolean:
 @cute.jit
 def sanitize_negative_zero_f32(words: cute.TensorSSA) -> cute.TensorSSA:
     """Turn every FP32 -0 word into +0 and leave all other bit patterns unchanged."""
-    return words & (_negative_zero_marks(words, SIGN_F32, MAGNITUDE_F32) | Uint32(MAGNITUDE_F32))
+    return _sanitize(words, SIGN_F32, MAGNITUDE_F32)
+
+
+# ------------------------------------------------------ reinterpreting 16 bytes
+def _reinterpret(values: cute.TensorSSA, count: int, dtype: type, loc, ip) -> cute.TensorSSA:
+    """The same 16 bytes as ``count`` values of ``dtype`` (a bit cast, no conversion)."""
+    vec = values.ir_value(loc=loc, ip=ip) if hasattr(values, "ir_value") else values
+    element = T.i32() if dtype is Uint32 else dtype.mlir_type
+    return cute.TensorSSA(vector.bitcast(ir.VectorType.get([count], element), vec, loc=loc, ip=ip), (count,), dtype)
 
 
 @dsl_user_op
-def f32x4_to_words(values: cute.TensorSSA, *, loc=None, ip=None) -> cute.TensorSSA:
-    """Reinterpret 4 FP32 values as 4 words (no conversion)."""
-    vec = values.ir_value(loc=loc, ip=ip) if hasattr(values, "ir_value") else values
-    return cute.TensorSSA(vector.bitcast(ir.VectorType.get([4], T.i32()), vec, loc=loc, ip=ip), (4,), Uint32)
+def as_words(values: cute.TensorSSA, *, loc=None, ip=None) -> cute.TensorSSA:
+    """Reinterpret 16 bytes of values (8 BF16 or 4 FP32) as 4 packed words."""
+    return _reinterpret(values, 4, Uint32, loc, ip)
 
 
 @dsl_user_op
 def words_to_f32x4(words: cute.TensorSSA, *, loc=None, ip=None) -> cute.TensorSSA:
     """Reinterpret 4 words as 4 FP32 values (no conversion)."""
-    vec = words.ir_value(loc=loc, ip=ip) if hasattr(words, "ir_value") else words
-    values = vector.bitcast(ir.VectorType.get([4], Float32.mlir_type), vec, loc=loc, ip=ip)
-    return cute.TensorSSA(values, (4,), Float32)
+    return _reinterpret(words, 4, Float32, loc, ip)
 
 
-# ------------------------------------------------------------ packing BF16 values
 @dsl_user_op
 def words_to_bf16x8(words: cute.TensorSSA, *, loc=None, ip=None) -> cute.TensorSSA:
     """Reinterpret 4 packed words as 8 BF16 values (no conversion)."""
-    vec = words.ir_value(loc=loc, ip=ip) if hasattr(words, "ir_value") else words
-    bf16 = vector.bitcast(ir.VectorType.get([VEC_BF16], BFloat16.mlir_type), vec, loc=loc, ip=ip)
-    return cute.TensorSSA(bf16, (VEC_BF16,), BFloat16)
-
-
-@dsl_user_op
-def bf16x8_to_words(values: cute.TensorSSA, *, loc=None, ip=None) -> cute.TensorSSA:
-    """Reinterpret 8 BF16 values as 4 packed words (no conversion)."""
-    vec = values.ir_value(loc=loc, ip=ip) if hasattr(values, "ir_value") else values
-    words = vector.bitcast(ir.VectorType.get([4], T.i32()), vec, loc=loc, ip=ip)
-    return cute.TensorSSA(words, (4,), Uint32)
+    return _reinterpret(words, VEC_BF16, BFloat16, loc, ip)
 
 
 @cute.jit
@@ -283,7 +285,7 @@ def words_to_f32x8(words: cute.TensorSSA) -> cute.TensorSSA:
 @cute.jit
 def f32x8_to_words(values: cute.TensorSSA) -> cute.TensorSSA:
     """Round 8 FP32 values to BF16 (nearest even) and pack them."""
-    return bf16x8_to_words(values.to(BFloat16))
+    return as_words(values.to(BFloat16))
 
 
 @cute.jit
