@@ -216,7 +216,7 @@ def glm5_breakdown(ctx: Context, ms: list[int], hidden: int = 4096) -> list[Reco
             op._boundaries[tokens](
                 residual=residual, post=post, comb=comb, fn=fn, scale=scale, base=base, gamma=weight,
                 residual_out=torch.empty_like(residual), mixes_out=op.raw_mixes,  # not the hand-off rows
-                layer_input=torch.empty_like(x), prefetch=1, m=m,
+                layer_input=torch.empty_like(x), x=x, prefetch=1, direct=0, m=m,
             )  # fmt: skip
 
         floor = glm5_bytes(m, hidden) / ctx.bandwidth

@@ -13,8 +13,10 @@ import torch
 from tests.glm5.checks import HC, boundary_inputs, check_boundary
 from tests.support import (
     all_reduce_ranks,
+    assert_bitwise_equal,
     assert_within,
     bf16_randn,
+    bits,
     cached_ranks,
     is_poisoned,
     poison,
@@ -25,6 +27,7 @@ from tests.support import (
 pytestmark = pytest.mark.gpu
 
 CAPACITY = 1032
+BF16_NEGATIVE_ZERO = -0x8000  # as int16: every empty mailbox slot
 
 
 def preset_names() -> list[str]:
@@ -188,6 +191,35 @@ def _ops_with_tokens(preset, tokens: int) -> list:
     )
 
 
+@pytest.mark.parametrize("m", (1, 20, 40, 200))
+def test_tp1_reads_x_without_a_publish(m: int) -> None:
+    """At tp 1 a plain call launches no publish: the stage state does not move and the mailbox
+    stays empty (-0). Its outputs are bitwise those of the mailbox path (publish + collect) on
+    the same inputs, -0 in x included. M = 1, 20, 40, 200: the x1, x2, x8 and x16 kernels."""
+    op = ops_for("h200-tp1-h4096")[0]
+    generator = torch.Generator("cuda").manual_seed(29 + m)
+    args = boundary_inputs(m, op.hidden_size, generator, negative_zero=True)
+    x = bf16_randn(m, op.hidden_size, generator=generator)
+    x[-1] = -0.0
+    x[0, :16] = -0.0
+    state = op.mailbox.stage_state.clone()
+    assert (bits(op.mailbox.buffer) == BF16_NEGATIVE_ZERO).all()
+    direct = op(x, *args.values(), out=poisoned_outputs(m, op.hidden_size))
+    op.join()
+    torch.cuda.synchronize()
+    assert torch.equal(op.mailbox.stage_state, state), "a tp 1 call advanced the stage: it published"
+    assert (bits(op.mailbox.buffer) == BF16_NEGATIVE_ZERO).all(), "a tp 1 call wrote into the mailbox"
+    direct_raw = op.raw_mixes[:m].clone()
+    op.publish(x)
+    mailbox = op.collect(*args.values(), out=poisoned_outputs(m, op.hidden_size), after_publish=True)
+    op.join()
+    torch.cuda.synchronize()
+    assert not torch.equal(op.mailbox.stage_state, state), "the two-phase form did not publish"
+    for name, a, b in zip(("residual_out", "post_out", "comb_out", "layer_input"), direct, mailbox, strict=True):
+        assert_bitwise_equal(a, b, name)
+    assert_bitwise_equal(direct_raw, op.raw_mixes[:m], "raw_mixes")
+
+
 def test_join_semantics() -> None:
     """post_out / comb_out are written on the side stream: incomplete before join(), complete after."""
     ops = ops_for("h200-tp1-h4096")
@@ -231,11 +263,13 @@ def test_twenty_chained_boundaries() -> None:
         args = dict(args, residual=results[0][0].clone(), post=results[0][1].clone(), comb=results[0][2].clone())
 
 
+@pytest.mark.parametrize("name", ("h200-tp1-h4096", "h200-tp2-h4096"))
 @pytest.mark.parametrize("m", (1, 33, 257))
-def test_cuda_graph_replays(m: int) -> None:
+def test_cuda_graph_replays(m: int, name: str) -> None:
+    """tp 1: the boundary reads x itself (no publish in the graph); tp 2 (loopback): the mailbox."""
     from mhc_core import reference
 
-    ops = ops_for("h200-tp2-h4096")
+    ops = ops_for(name)
     op = ops[0]
     generator = torch.Generator("cuda").manual_seed(m)
     partials = [torch.zeros(m, op.hidden_size, dtype=torch.bfloat16, device="cuda") for _ in ops]

@@ -20,7 +20,7 @@ PACKAGES = {
     "mhc-glm5": ("mhc_glm5", {"mhc-core~=0.2.0", DSL, "torch"}),  # 0.2.0: mhc_core.handoff
 }
 #: Each package's own version (its __init__); bumped when its kernels or API change.
-VERSIONS = {"mhc-core": "0.2.0", "mhc-dsv41": "0.1.1", "mhc-glm5": "0.4.0"}
+VERSIONS = {"mhc-core": "0.2.0", "mhc-dsv41": "0.1.1", "mhc-glm5": "0.5.0"}
 
 BUILD = """
 import sys

@@ -13,7 +13,7 @@ from typing import Any
 
 from mhc_core.compat import check_core_version
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 #: The mhc-core releases this package works with (compatible-release pin).
 CORE_REQUIREMENT = "~=0.2.0"
 

@@ -16,6 +16,10 @@ cluster_size`` groups of 4 lanes, one group per 16-byte fragment. Lane ``j``:
    ``pre_j = sigmoid(raw[j] * scale[0] + base[j]) + hc_eps``, and RMS-normalises it
    after a second, one-value cluster reduction.
 
+At tp = 1 a launch with ``direct`` set reads ``x`` (the sublayer output) instead of polling: no
+publish ran, so nothing is polled, re-armed or advanced (the op's plain calls; the grouped
+kernels do the same).
+
 The CTA's ``fn`` slice is staged in shared memory by bulk copies (``mhc_glm5.fn_stage``),
 and the residual streams, the weight, post and comb are loaded, before the PDL wait
 when the kernel right before is the publish (``prefetch``).
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64, Uint32
+from cutlass import BFloat16, Boolean, Float32, Int32, Int64, Uint32
 
 from mhc_core import handoff, protocol, ptx, reduce
 from mhc_core.collective import mailbox_params
@@ -92,7 +96,9 @@ def boundary_signature() -> Signature:
         Param("residual_out", Ptr(BFloat16)),
         Param("mixes_out", Ptr(Float32, 16)),
         Param("layer_input", Ptr(BFloat16)),
+        Param("x", Ptr(BFloat16)),
         Param("prefetch", Scalar(Int32)),
+        Param("direct", Scalar(Int32)),
         *mailbox_params(),
         Param("m", Scalar(Int32)),
         Param("stream", Stream()),
@@ -116,6 +122,23 @@ def gemv_partials(row_fragment: Callable[[int], cute.TensorSSA], stream: cute.Te
     partial = [ptx.dot_bf16x8(row_fragment(row), stream, mixed_fma) for row in range(MIX)]
     partial.append(ptx.dot_bf16x8(stream, stream, mixed_fma))
     return partial
+
+
+@cute.jit
+def reads_x(direct: Int32, tp: cutlass.Constexpr[int]) -> Boolean:
+    """Whether this launch reads the sublayer output ``x`` itself instead of polling the mailbox:
+    only at tp = 1, where there is nothing to all-reduce and the op launches no publish."""
+    from_x = Boolean(False)
+    if cutlass.const_expr(tp == 1):
+        from_x = direct != Int32(0)
+    return from_x
+
+
+@cute.jit
+def load_x(x: cute.Pointer, token: Int32, column: Int64, hidden: cutlass.Constexpr[int]) -> cute.TensorSSA:
+    """A fragment of ``x[token]`` with -0 as +0: the words a publish would have written, so the
+    boundary's result is bit-identical to the mailbox path's (whose tree adds them to +0)."""
+    return ptx.sanitize_negative_zero(ptx.load_u32x4(x.toint() + (Int64(token) * hidden + column) * 2))
 
 
 @cute.jit
@@ -170,13 +193,13 @@ class BoundaryKernel(DeviceKernel):
 
     @cute.jit
     def __call__(
-        self, residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input,
-        prefetch, mailbox, stage_state, capacity, spin_limit_ns, error_flag, m, stream,
+        self, residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input, x,
+        prefetch, direct, mailbox, stage_state, capacity, spin_limit_ns, error_flag, m, stream,
     ):  # fmt: skip
         config = self.config
         self.kernel(
-            residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input, prefetch,
-            mailbox, stage_state, capacity, spin_limit_ns, error_flag, m,
+            residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input, x, prefetch,
+            direct, mailbox, stage_state, capacity, spin_limit_ns, error_flag, m,
         ).launch(
             grid=((m + config.tokens - 1) // config.tokens, config.cluster_size, 1),
             block=(self.block_threads(), 1, 1),
@@ -205,7 +228,9 @@ class BoundaryKernel(DeviceKernel):
         residual_out: cute.Pointer,
         mixes_out: cute.Pointer,
         layer_input: cute.Pointer,
+        x: cute.Pointer,
         prefetch: Int32,
+        direct: Int32,
         mailbox: cute.Tensor,
         stage_state: cute.Tensor,
         capacity: Int32,
@@ -222,10 +247,12 @@ class BoundaryKernel(DeviceKernel):
         fragment = cluster_rank * config.groups_per_cta + tidx // HC
         column = Int64(fragment) * VEC_BF16
 
+        from_x = reads_x(direct, tp)
+
         smem = cutlass.memory.SmemAllocator()
         fn_staged, fn_barrier = fn_stage.allocate(smem, groups, FN_ROTATION_STREAMS)
 
-        if prefetch == Int32(0):
+        if (prefetch == Int32(0)) | from_x:
             cute.arch.griddepcontrol_wait()
         fn_stage.start(
             fn, fn_staged, fn_barrier, cluster_rank * groups, groups, FN_ROTATION_STREAMS, hidden, config.threads
@@ -241,20 +268,24 @@ class BoundaryKernel(DeviceKernel):
             comb_j[source] = cute.arch.load((comb + (Int64(token) * HC + source) * HC + Int64(lane)).llvm_ptr, Float32)
 
         cute.arch.griddepcontrol_wait()
-        stage = protocol.active_stage(stage_state)
-        mailbox_base = mailbox.iterator.toint()
         reduced = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
-        protocol.poll_and_sum(
-            reduced, mailbox_base, stage, token, fragment, lane, True, tp, HC, capacity, hidden,
-            spin_limit_ns, error_flag,
-        )  # fmt: skip
-        protocol.advance_stage(stage_state, stage, (token == 0) & (cluster_rank == 0) & (tidx == 0))
-        cute.arch.griddepcontrol_launch_dependents()
-        protocol.rearm_slots(mailbox_base, stage, token, token, fragment, lane, True, 1, tp, HC, capacity, hidden)
+        if from_x:
+            reduced.store(ptx.words_to_f32x8(load_x(x, token, column, hidden)))
+            cute.arch.griddepcontrol_launch_dependents()
+        else:
+            stage = protocol.active_stage(stage_state)
+            mailbox_base = mailbox.iterator.toint()
+            protocol.poll_and_sum(
+                reduced, mailbox_base, stage, token, fragment, lane, True, tp, HC, capacity, hidden,
+                spin_limit_ns, error_flag,
+            )  # fmt: skip
+            protocol.advance_stage(stage_state, stage, (token == 0) & (cluster_rank == 0) & (tidx == 0))
+            cute.arch.griddepcontrol_launch_dependents()
+            protocol.rearm_slots(mailbox_base, stage, token, token, fragment, lane, True, 1, tp, HC, capacity, hidden)
 
         # The all-reduced sublayer output is BF16, as the collective returns it.
-        x = reduced.load().to(BFloat16).to(Float32)
-        mixed = x * post_j
+        summed = reduced.load().to(BFloat16).to(Float32)
+        mixed = summed * post_j
         for source in cutlass.range_constexpr(HC):
             mixed = mixed + ptx.words_to_f32x8(streams[source, None].load()) * comb_j[source]
         stream_words = ptx.f32x8_to_words(mixed)

@@ -33,8 +33,10 @@ from .boundary import (
     gemv_partials,
     inverse_rms,
     load_fn_rows,
+    load_x,
     mixes_rstd,
     pre_mix,
+    reads_x,
     write_raw_mixes,
 )
 from .config import HC, MIX_INPUTS, VALUES, grouped_shared_bytes
@@ -67,7 +69,9 @@ class GroupBoundaryKernel(BoundaryKernel):
         residual_out: cute.Pointer,
         mixes_out: cute.Pointer,
         layer_input: cute.Pointer,
+        x: cute.Pointer,
         prefetch: Int32,
+        direct: Int32,
         mailbox: cute.Tensor,
         stage_state: cute.Tensor,
         capacity: Int32,
@@ -90,6 +94,8 @@ class GroupBoundaryKernel(BoundaryKernel):
         first = group * tokens
         last = m - 1
 
+        from_x = reads_x(direct, tp)
+
         smem = cutlass.memory.SmemAllocator()
         staged = smem.allocate_array(Uint32, tokens * HC * groups * 4, byte_alignment=16)
         mix_inputs = smem.allocate_array(Float32, tokens * MIX_INPUTS)
@@ -99,7 +105,7 @@ class GroupBoundaryKernel(BoundaryKernel):
         warp_sums2 = smem.allocate_array(Float32, tokens * warps)
         cluster_sums2 = smem.allocate_array(Float32, tokens * cluster)
 
-        if prefetch == Int32(0):
+        if (prefetch == Int32(0)) | from_x:
             cute.arch.griddepcontrol_wait()
         fn_rows = load_fn_rows(fn, lane, column, hidden)
         gamma_words = ptx.load_u32x4(gamma.toint() + column * 2)
@@ -124,24 +130,31 @@ class GroupBoundaryKernel(BoundaryKernel):
         cute.arch.barrier()
 
         cute.arch.griddepcontrol_wait()
-        stage = protocol.active_stage(stage_state)
         kept = cute.make_rmem_tensor(cute.make_layout((tokens, waves, 4), stride=(waves * 4, 4, 1)), Uint32)
-        mailbox_base = mailbox.iterator.toint()
-        protocol.poll_slots(
-            kept, mailbox_base, stage, first, last, fragment, lane, True, tokens, tp, HC, capacity, hidden,
-            spin_limit_ns, error_flag,
-        )  # fmt: skip
-        # Lanes leave the poll at different times; the shuffles below need the warp converged.
-        cute.arch.sync_warp()
-        reduced = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
-        for t in cutlass.range_constexpr(tokens):
-            reduced.store(protocol.lane_sum(kept, t, waves))
-            protocol.sum_over_lanes(reduced, HC)
-            # The all-reduced sublayer output is BF16, as the collective returns it.
-            kept[t, 0, None].store(ptx.f32x8_to_words(reduced.load()))
-        protocol.advance_stage(stage_state, stage, (group == 0) & (cluster_rank == 0) & (tidx == 0))
-        cute.arch.griddepcontrol_launch_dependents()
-        protocol.rearm_slots(mailbox_base, stage, first, last, fragment, lane, True, tokens, tp, HC, capacity, hidden)
+        if from_x:
+            for t in cutlass.range_constexpr(tokens):
+                kept[t, 0, None].store(load_x(x, cutlass.min(first + t, last), column, hidden))
+            cute.arch.griddepcontrol_launch_dependents()
+        else:
+            stage = protocol.active_stage(stage_state)
+            mailbox_base = mailbox.iterator.toint()
+            protocol.poll_slots(
+                kept, mailbox_base, stage, first, last, fragment, lane, True, tokens, tp, HC, capacity, hidden,
+                spin_limit_ns, error_flag,
+            )  # fmt: skip
+            # Lanes leave the poll at different times; the shuffles below need the warp converged.
+            cute.arch.sync_warp()
+            reduced = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
+            for t in cutlass.range_constexpr(tokens):
+                reduced.store(protocol.lane_sum(kept, t, waves))
+                protocol.sum_over_lanes(reduced, HC)
+                # The all-reduced sublayer output is BF16, as the collective returns it.
+                kept[t, 0, None].store(ptx.f32x8_to_words(reduced.load()))
+            protocol.advance_stage(stage_state, stage, (group == 0) & (cluster_rank == 0) & (tidx == 0))
+            cute.arch.griddepcontrol_launch_dependents()
+            protocol.rearm_slots(
+                mailbox_base, stage, first, last, fragment, lane, True, tokens, tp, HC, capacity, hidden
+            )  # fmt: skip
 
         for t in cutlass.range_constexpr(tokens):
             token = cutlass.min(first + t, last)

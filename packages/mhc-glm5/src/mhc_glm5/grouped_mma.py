@@ -45,7 +45,16 @@ from mhc_core import protocol, ptx, reduce
 from mhc_core.constants import VEC_BF16, WARP_SIZE
 
 from . import fn_stage
-from .boundary import BoundaryConfig, BoundaryKernel, inverse_rms, mixes_rstd, pre_mix, write_raw_mixes
+from .boundary import (
+    BoundaryConfig,
+    BoundaryKernel,
+    inverse_rms,
+    load_x,
+    mixes_rstd,
+    pre_mix,
+    reads_x,
+    write_raw_mixes,
+)
 from .config import (
     FN_ROTATION_ROWS,
     HC,
@@ -107,7 +116,9 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         residual_out: cute.Pointer,
         mixes_out: cute.Pointer,
         layer_input: cute.Pointer,
+        x: cute.Pointer,
         prefetch: Int32,
+        direct: Int32,
         mailbox: cute.Tensor,
         stage_state: cute.Tensor,
         capacity: Int32,
@@ -131,6 +142,7 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         first_fragment = cluster_rank * fragments + local
         first = group * tokens
         last = m - 1
+        from_x = reads_x(direct, tp)
 
         smem = cutlass.memory.SmemAllocator()
         fn_staged, fn_barrier = fn_stage.allocate(smem, fragments, FN_ROTATION_ROWS)
@@ -142,7 +154,7 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         warp_sums2 = smem.allocate_array(Float32, warps * tokens)
         cluster_sums2 = smem.allocate_array(Float32, cluster * tokens)
 
-        if prefetch == Int32(0):
+        if (prefetch == Int32(0)) | from_x:
             cute.arch.griddepcontrol_wait()
         fn_stage.start(
             fn, fn_staged, fn_barrier, cluster_rank * fragments, fragments, FN_ROTATION_ROWS, hidden, threads
@@ -176,26 +188,35 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         cute.arch.cp_async_commit_group()
 
         cute.arch.griddepcontrol_wait()
-        stage = protocol.active_stage(stage_state)
-        mailbox_base = mailbox.iterator.toint()
         squares = cute.make_rmem_tensor(cute.make_layout((halves,)), Float32)
         for h in cutlass.range_constexpr(halves):
             t = h * TOKENS_PER_HALF + g
             token = first + t
             active = token <= last
             kept = cute.make_rmem_tensor(cute.make_layout((LANE_FRAGMENTS, tp, 4), stride=(tp * 4, 4, 1)), Uint32)
-            # One thread polls every rank of its two fragments (fragment step 4, rank lanes 1).
-            protocol.poll_slots(
-                kept, mailbox_base, stage, token, token, first_fragment + q, Int32(0), active, LANE_FRAGMENTS, tp,
-                1, capacity, hidden, spin_limit_ns, error_flag, 0, HC,
-            )  # fmt: skip
-            if cutlass.const_expr(h == halves - 1):
-                protocol.advance_stage(stage_state, stage, (group == 0) & (cluster_rank == 0) & (tidx == 0))
-                cute.arch.griddepcontrol_launch_dependents()
-            protocol.rearm_slots(
-                mailbox_base, stage, token, token, first_fragment + q, Int32(0), active, LANE_FRAGMENTS, tp, 1,
-                capacity, hidden, 0, HC,
-            )  # fmt: skip
+            if from_x:
+                kept.fill(Uint32(0))
+                if active:
+                    for k in cutlass.range_constexpr(LANE_FRAGMENTS):
+                        column = Int64(first_fragment + q + k * HC) * VEC_BF16
+                        kept[k, 0, None].store(load_x(x, token, column, hidden))
+                if cutlass.const_expr(h == halves - 1):
+                    cute.arch.griddepcontrol_launch_dependents()
+            else:
+                stage = protocol.active_stage(stage_state)
+                mailbox_base = mailbox.iterator.toint()
+                # One thread polls every rank of its two fragments (fragment step 4, rank lanes 1).
+                protocol.poll_slots(
+                    kept, mailbox_base, stage, token, token, first_fragment + q, Int32(0), active, LANE_FRAGMENTS,
+                    tp, 1, capacity, hidden, spin_limit_ns, error_flag, 0, HC,
+                )  # fmt: skip
+                if cutlass.const_expr(h == halves - 1):
+                    protocol.advance_stage(stage_state, stage, (group == 0) & (cluster_rank == 0) & (tidx == 0))
+                    cute.arch.griddepcontrol_launch_dependents()
+                protocol.rearm_slots(
+                    mailbox_base, stage, token, token, first_fragment + q, Int32(0), active, LANE_FRAGMENTS, tp, 1,
+                    capacity, hidden, 0, HC,
+                )  # fmt: skip
             if cutlass.const_expr(h == 0):
                 # The staged inputs landed (this thread's copies), and are visible to all (the barrier).
                 cute.arch.cp_async_wait_group(0)
@@ -205,12 +226,12 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
             for k in cutlass.range_constexpr(LANE_FRAGMENTS):
                 f = local + q + k * HC
                 # The all-reduced sublayer output is BF16, as the collective returns it.
-                x = protocol.rank_tree_sum(kept, k, tp, HC).to(cutlass.BFloat16).to(Float32)
+                summed = protocol.rank_tree_sum(kept, k, tp, HC).to(cutlass.BFloat16).to(Float32)
                 sources = [
                     ptx.words_to_f32x8(ptx.load_shared_u32x4(staged + staged_slot(f, i, t, tokens))) for i in range(HC)
                 ]
                 for j in cutlass.range_constexpr(HC):
-                    mixed = x * cute.arch.load((inputs + j).llvm_ptr, Float32)
+                    mixed = summed * cute.arch.load((inputs + j).llvm_ptr, Float32)
                     for i in cutlass.range_constexpr(HC):
                         mixed = mixed + sources[i] * cute.arch.load((inputs + HC + i * HC + j).llvm_ptr, Float32)
                     stream_words = ptx.f32x8_to_words(mixed)

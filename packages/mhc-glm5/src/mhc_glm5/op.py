@@ -10,6 +10,11 @@ flag and no fence). ``post_out`` / ``comb_out`` are complete only after ``join()
 the next call joins first. The hand-off rows and the raw mixes live in buffers the
 op owns, so they outlive it.
 
+At tp = 1 there is nothing to all-reduce: a call with a plain tensor launches no publish,
+and the boundary reads ``x`` itself after its PDL wait (bit-identical outputs). MoE input
+(the finalize publish computes x) and the two-phase ``publish`` / ``collect`` form, whose
+caller may reuse x's memory in between, still go through the mailbox.
+
 Inside CUDA-graph capture, call ``join()`` before the capture ends, so the side
 stream rejoins the captured one.
 """
@@ -36,7 +41,7 @@ Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 class AllReduceMhcBoundary(LamportOp):
     """``tensor_model_parallel_all_reduce`` + ``hc_fused_post_pre`` for up to ``max_num_tokens`` tokens.
 
-    Two kernels on the current stream and one on a side stream; construction is
+    Two kernels on the current stream (one at tp = 1) and one on a side stream; construction is
     collective over ``group`` (None: tp = 1; a process group; a ``LoopbackGroup``
     rank). One instance serves every boundary of the model, called one after
     another.
@@ -215,8 +220,10 @@ class AllReduceMhcBoundary(LamportOp):
         norm_weight: torch.Tensor,
         out: Sequence[torch.Tensor] | None,
         tokens: int | None = None,
+        x: torch.Tensor | None = None,
     ) -> Callable[[bool], Outputs]:
-        """Validate every boundary input for M tokens; return the launch (boundary, then side mixes)."""
+        """Validate every boundary input for M tokens; return the launch (boundary, then side mixes).
+        With ``x`` (tp = 1, validated by the caller) the boundary reads it instead of the mailbox."""
         hidden, device = self.hidden_size, self.device
         check_tensor("residual", residual, shape=(m, HC, hidden), dtype=torch.bfloat16, device=device)
         check_tensor("post", post, shape=[(m, HC, 1), (m, HC)], dtype=torch.float32, device=device, align=4)
@@ -252,7 +259,10 @@ class AllReduceMhcBoundary(LamportOp):
                 gamma=norm_weight,
                 residual_out=residual_out,
                 layer_input=layer_input,
-                prefetch=int(after_publish),
+                x=x if x is not None else residual,  # read only when direct
+                # Reading x directly waits first: the kernel before is x's producer, not a publish.
+                prefetch=int(after_publish and x is None),
+                direct=int(x is not None),
                 m=m,
             )
             # Launched after the boundary, so a boundary that fails to launch leaves no waiter.
@@ -284,6 +294,10 @@ class AllReduceMhcBoundary(LamportOp):
         out: Sequence[torch.Tensor] | None = None,
     ) -> Plan:
         m, publish = self._prepare_publish(x)
+        if self.tp == 1 and not isinstance(x, MoEOutput):
+            # Nothing to all-reduce: the boundary reads x (validated above); no publish is launched.
+            direct = self._prepare_collect(m, residual, post, comb, fn, scale, base, norm_weight, out, x=x)
+            return Plan(m, lambda: None, direct)
         return Plan(m, publish, self._prepare_collect(m, residual, post, comb, fn, scale, base, norm_weight, out))
 
     def __call__(
