@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -42,6 +42,7 @@ class Context:
     group: Any  # None at tp = 1, else the process group
     bandwidth: float  # bytes per microsecond, read + written
     compile_baselines: bool = True
+    _device_barrier: Any = field(default=None, repr=False)
 
     def sync(self) -> None:
         torch.cuda.synchronize()
@@ -50,10 +51,26 @@ class Context:
 
             dist.barrier(group=self.group)
 
+    def start_together(self) -> None:
+        """Before a timed replay: the host barrier, then (tp > 1) a device-side barrier kernel on
+        the current stream (torch symm_mem), so that every rank records its start event within
+        about a microsecond of the others. After the host barrier alone the GPUs start up to tens
+        of microseconds apart, and the rank that starts first waits for the others inside its
+        first call: that wait, spread over the replay's calls, would count as its time."""
+        self.sync()
+        if self.group is None:
+            return
+        if self._device_barrier is None:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            flags = symm_mem.empty(1, dtype=torch.int32, device="cuda")
+            self._device_barrier = symm_mem.rendezvous(flags, self.group.group_name)
+        self._device_barrier.barrier(channel=0)
+
     def time(self, step: Callable[[], object]) -> float:
         """``graph_time_us`` with every rank's replays started together; the slowest rank's median."""
         self.sync()
-        us = graph_time_us(step, before_replay=self.sync)
+        us = graph_time_us(step, before_replay=self.start_together)
         if self.group is None:
             return us
         import torch.distributed as dist
