@@ -220,6 +220,23 @@ def test_tp1_reads_x_without_a_publish(m: int) -> None:
     assert_bitwise_equal(direct_raw, op.raw_mixes[:m], "raw_mixes")
 
 
+def test_each_call_moves_the_stage_on_once() -> None:
+    """The boundaries poll before their PDL wait, reading the stage from NEXT, and their last
+    arriving cluster moves it on at the end: every call (one-token and grouped kernels, one to
+    dozens of clusters) advances every rank's NEXT by exactly one generation and leaves its arrival
+    count at 0 (loopback tp 4: only rank 0's boundary follows its publish; the others wait first)."""
+    from mhc_core.constants import LAMPORT_GENERATIONS, NEXT_STAGE
+
+    ops = ops_for("h200-tp4-h4096")
+    generator = torch.Generator("cuda").manual_seed(31)
+    for m in (1, 15, 100, CAPACITY):
+        before = [int(op.mailbox.stage_state[NEXT_STAGE]) for op in ops]
+        run_and_check(ops, m, generator)
+        after = [int(op.mailbox.stage_state[NEXT_STAGE]) for op in ops]
+        assert after == [(stage + 1) % LAMPORT_GENERATIONS for stage in before], (m, before, after)
+        assert all(int(op._arrivals.item()) == 0 for op in ops)
+
+
 def test_join_semantics() -> None:
     """post_out / comb_out are written on the side stream: incomplete before join(), complete after."""
     ops = ops_for("h200-tp1-h4096")

@@ -33,14 +33,18 @@ def check_staged_fn(ptx: str) -> None:
     assert count(ptx, "mbarrier.try_wait.parity") == 1
 
 
-def check_protocol(ptx: str, tp: int) -> None:
-    """Every boundary: the poll spins on volatile loads under the time bound, one PDL wait after the
-    prologue, and the raw mixes are handed off with no fence (``mhc_core.handoff``). One trigger
-    after the poll; at tp 1 a second one after the branch that reads x itself (no publish), which
-    no other tp compiles."""
+def check_protocol(ptx: str) -> None:
+    """Every boundary: the stage read once, the poll spinning on volatile loads under the time
+    bound before the PDL wait (which the kernels put before their output stores), one trigger, the stage
+    moved on by the last arriving cluster, and the raw mixes handed off with no fence
+    (``mhc_core.handoff``)."""
     assert polls_volatile_in_loop(ptx)
-    assert count(ptx, "griddepcontrol.wait") == 2, "one in the no-prefetch / direct branch, one after the prologue"
-    assert count(ptx, "griddepcontrol.launch_dependents") == (2 if tp == 1 else 1)
+    assert count(ptx, "ld.volatile.global.u32") == 1, "the stage, read once"
+    assert count(ptx, "griddepcontrol.wait") == 2, "one in the no-prefetch / direct branch, one before the outputs"
+    assert ptx.index("ld.volatile.global.v4.u32") < ptx.rindex("griddepcontrol.wait"), "the poll precedes the wait"
+    assert count(ptx, "griddepcontrol.launch_dependents") == 1
+    assert count(ptx, "atom.acq_rel.gpu.global.add.u32") == 1
+    assert ptx.rindex("griddepcontrol.wait") < ptx.index("atom.acq_rel.gpu"), "arrivals after the wait"
     assert count(ptx, "%globaltimer") >= 1
     assert count(ptx, ".release.gpu") == 0 and count(ptx, "membar") == 0 and count(ptx, "fence.acq_rel") == 0
 
@@ -51,7 +55,7 @@ def test_cuda_core_boundaries(arch: str, tokens: int, tp: int) -> None:
     """The one-token and CUDA-core grouped kernels: the GEMV's mixed-precision dot is
     ``fma.rn.f32.bf16`` on sm_100+, the exact unpack + ``fma.rn.f32`` on sm_90a."""
     ptx = compiled(boundary(arch, tokens, tp), arch)
-    check_protocol(ptx, tp)
+    check_protocol(ptx)
     if tokens == 1:
         check_staged_fn(ptx)
         from mhc_glm5.config import SM_SHARED_BYTES
@@ -75,7 +79,7 @@ def test_cuda_core_boundaries(arch: str, tokens: int, tp: int) -> None:
 def test_tensor_core_boundary(arch: str, tokens: int, tp: int) -> None:
     """4 fragments per warp x 3 n-tiles x 2 k-halves of m16n8k16; the staging is asynchronous."""
     ptx = compiled(boundary(arch, tokens, tp), arch)
-    check_protocol(ptx, tp)
+    check_protocol(ptx)
     check_staged_fn(ptx)
     assert count(ptx, MMA) == 4 * 3 * 2
     assert count(ptx, "cp.async.cg.shared.global") >= 1 and count(ptx, "cp.async.wait_group") == 1

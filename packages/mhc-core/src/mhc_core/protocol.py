@@ -4,7 +4,9 @@ Mailbox: ``[LAMPORT_GENERATIONS, tp, capacity, hidden]`` BF16 per rank, every em
 slot BF16 -0. Stage state: int32 ``[NEXT, ACTIVE]``. A publish reads NEXT, writes
 its fragment into slot ``[stage, rank, token]`` of every rank's mailbox and records
 ACTIVE; the collective reads ACTIVE, polls its own mailbox until no -0 remains,
-re-arms what it read and sets NEXT to the following stage. Every collective
+re-arms what it read and sets NEXT to the following stage. A collective that polls
+before its PDL wait reads NEXT instead (``stage_before_wait``): only its own last
+arriving cluster moves NEXT on, at its end (``advance_stage_after_all``). Every collective
 kernel and every publish kernel is built from these functions, so no kernel
 writes the addressing or the spin twice.
 
@@ -123,6 +125,32 @@ def advance_stage(stage_state: cute.Tensor, stage: Uint32, leader: Boolean) -> N
     """Once per launch: the next publish uses the following generation."""
     if leader:
         ptx.store_u32(state_address(stage_state, NEXT_STAGE), (stage + Uint32(1)) % Uint32(LAMPORT_GENERATIONS))
+
+
+@cute.jit
+def stage_before_wait(stage_state: cute.Tensor) -> Uint32:
+    """The stage the publish before this collective writes, readable before the PDL wait: NEXT.
+    The previous collective moved it on before it completed, which that publish waited for; this
+    one moves it only after every cluster has read it (``advance_stage_after_all``)."""
+    return ptx.load_volatile_u32(state_address(stage_state, NEXT_STAGE))
+
+
+@cute.jit
+def advance_stage_after_all(
+    stage_state: cute.Tensor, arrivals: cute.Tensor, stage: Uint32, clusters: Int32, leader: Boolean
+) -> None:
+    """Once per cluster, at its end, after the PDL wait: count the cluster in (``arrivals``, an
+    int32 that starts at 0); the last one resets the count and sets NEXT to the following stage.
+
+    Each cluster read NEXT and finished polling before it arrives, and the PDL wait means the
+    publish (which read NEXT before storing) has completed: no reader of this stage is left.
+    The next publish reads NEXT after this grid has completed.
+    """
+    if leader:
+        count = arrivals.iterator.toint()
+        if ptx.arrive_u32(count) == Uint32(clusters - 1):
+            ptx.store_u32(count, Uint32(0))
+            ptx.store_u32(state_address(stage_state, NEXT_STAGE), (stage + Uint32(1)) % Uint32(LAMPORT_GENERATIONS))
 
 
 @cute.jit

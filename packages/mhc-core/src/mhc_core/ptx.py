@@ -33,6 +33,7 @@ PTX_MULTIMEM_STORE_BF16X8 = "multimem.st.relaxed.sys.global.v4.bf16x2 [$0], {$1,
 PTX_LOAD_VOLATILE_U32 = "ld.volatile.global.u32 $0, [$1];"
 PTX_STORE_U32 = "st.global.u32 [$0], $1;"
 PTX_STORE_SYSTEM_U32 = "st.relaxed.sys.global.u32 [$0], $1;"
+PTX_ARRIVE_U32 = "atom.acq_rel.gpu.global.add.u32 $0, [$1], 1;"
 
 
 def _value(x, loc, ip) -> ir.Value:
@@ -140,6 +141,24 @@ def multimem_store_bf16x8(address: Int64, words: cute.TensorSSA, *, loc=None, ip
         asm_dialect=0,
         loc=loc,
         ip=ip,
+    )
+
+
+@dsl_user_op
+def arrive_u32(address: Int64, *, loc=None, ip=None) -> Uint32:
+    """Add 1 to a 32-bit counter and return its old value, acquire-release at GPU scope (what
+    this thread read or wrote before happens before what the one that sees the count does after)."""
+    return Uint32(
+        llvm.inline_asm(
+            T.i32(),
+            [_value(Int64(address), loc, ip)],
+            PTX_ARRIVE_U32,
+            "=r,l,~{memory}",
+            has_side_effects=True,
+            asm_dialect=0,
+            loc=loc,
+            ip=ip,
+        )
     )
 
 

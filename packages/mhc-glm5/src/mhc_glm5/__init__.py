@@ -15,7 +15,7 @@ from mhc_core.compat import check_core_version
 
 __version__ = "0.5.0"
 #: The mhc-core releases this package works with (compatible-release pin).
-CORE_REQUIREMENT = "~=0.2.0"
+CORE_REQUIREMENT = "~=0.2.1"
 
 check_core_version(CORE_REQUIREMENT, __name__)
 

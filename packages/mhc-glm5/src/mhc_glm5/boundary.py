@@ -7,17 +7,24 @@ cluster_size`` groups of 4 lanes, one group per 16-byte fragment. Lane ``j``:
 1. polls ranks ``j, j + 4, ...`` (a lane with no rank adds zero) and the 4 lanes sum
    them by an xor butterfly: ``x``, the all-reduced output rounded to BF16;
 2. owns stream ``j``: ``s_j = bf16(x * post[j] + sum_i residual[i] * comb[i, j])``,
-   stored as ``residual_out``;
+   stored as ``residual_out`` once the PDL wait (step 3) has returned;
 3. adds its share of the 24-row GEMV ``fn[r, j * hidden + c] * s_j[c]`` and of
    ``sum s_j^2``; the 25 sums are reduced over the cluster through DSMEM; CTA 0
    hands the raw mixes ``gemv * rsqrt(sum / (4 hidden) + rms_eps)`` off to the
-   side-stream mixes kernel (``mhc_core.handoff``);
+   side-stream mixes kernel (``mhc_core.handoff``); then the PDL wait;
 4. collapses ``bf16((t0 + t1) + (t2 + t3))`` with ``t_j = s_j * pre_j``,
    ``pre_j = sigmoid(raw[j] * scale[0] + base[j]) + hc_eps``, and RMS-normalises it
-   after a second, one-value cluster reduction.
+   after a second, one-value cluster reduction; the last cluster to finish moves the stage on.
+
+The poll runs before the PDL wait: a Lamport slot needs no ordering, and the stage comes
+from NEXT, which only this grid's last arriving cluster changes, at its end
+(``mhc_core.protocol.stage_before_wait`` / ``advance_stage_after_all``). So the poll ends
+when the data lands, not when the publish grid has completed (about 1 us later on the
+H200). The wait stays before the first output store, as an output may alias what the
+publish reads.
 
 At tp = 1 a launch with ``direct`` set reads ``x`` (the sublayer output) instead of polling: no
-publish ran, so nothing is polled, re-armed or advanced (the op's plain calls; the grouped
+publish ran, so nothing is polled, re-armed or moved on (the op's plain calls; the grouped
 kernels do the same).
 
 The CTA's ``fn`` slice is staged in shared memory by bulk copies (``mhc_glm5.fn_stage``),
@@ -39,7 +46,7 @@ from mhc_core.collective import mailbox_params
 from mhc_core.compiler import DeviceKernel
 from mhc_core.constants import VEC_BF16, WARP_SIZE
 from mhc_core.fastmath import sigmoid
-from mhc_core.signature import Param, Ptr, Scalar, Signature, Stream
+from mhc_core.signature import Buffer, Param, Ptr, Scalar, Signature, Stream
 
 from . import fn_stage
 from .config import (
@@ -100,6 +107,7 @@ def boundary_signature() -> Signature:
         Param("prefetch", Scalar(Int32)),
         Param("direct", Scalar(Int32)),
         *mailbox_params(),
+        Param("arrivals", Buffer(Int32, extent=1, align=4)),
         Param("m", Scalar(Int32)),
         Param("stream", Stream()),
     )
@@ -194,12 +202,12 @@ class BoundaryKernel(DeviceKernel):
     @cute.jit
     def __call__(
         self, residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input, x,
-        prefetch, direct, mailbox, stage_state, capacity, spin_limit_ns, error_flag, m, stream,
+        prefetch, direct, mailbox, stage_state, capacity, spin_limit_ns, error_flag, arrivals, m, stream,
     ):  # fmt: skip
         config = self.config
         self.kernel(
             residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input, x, prefetch,
-            direct, mailbox, stage_state, capacity, spin_limit_ns, error_flag, m,
+            direct, mailbox, stage_state, capacity, spin_limit_ns, error_flag, arrivals, m,
         ).launch(
             grid=((m + config.tokens - 1) // config.tokens, config.cluster_size, 1),
             block=(self.block_threads(), 1, 1),
@@ -236,6 +244,7 @@ class BoundaryKernel(DeviceKernel):
         capacity: Int32,
         spin_limit_ns: Int64,
         error_flag: Int64,
+        arrivals: cute.Tensor,
         m: Int32,
     ):
         config = self.config
@@ -267,21 +276,22 @@ class BoundaryKernel(DeviceKernel):
         for source in cutlass.range_constexpr(HC):
             comb_j[source] = cute.arch.load((comb + (Int64(token) * HC + source) * HC + Int64(lane)).llvm_ptr, Float32)
 
-        cute.arch.griddepcontrol_wait()
+        # Polled before the PDL wait (Lamport slots need no ordering); the wait comes before the
+        # first output store, as an output may alias what the publish reads.
+        stage = protocol.stage_before_wait(stage_state)
+        polled = Boolean(True)
         reduced = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
         if from_x:
             reduced.store(ptx.words_to_f32x8(load_x(x, token, column, hidden)))
-            cute.arch.griddepcontrol_launch_dependents()
+            polled = Boolean(False)
         else:
-            stage = protocol.active_stage(stage_state)
             mailbox_base = mailbox.iterator.toint()
             protocol.poll_and_sum(
                 reduced, mailbox_base, stage, token, fragment, lane, True, tp, HC, capacity, hidden,
                 spin_limit_ns, error_flag,
             )  # fmt: skip
-            protocol.advance_stage(stage_state, stage, (token == 0) & (cluster_rank == 0) & (tidx == 0))
-            cute.arch.griddepcontrol_launch_dependents()
             protocol.rearm_slots(mailbox_base, stage, token, token, fragment, lane, True, 1, tp, HC, capacity, hidden)
+        cute.arch.griddepcontrol_launch_dependents()
 
         # The all-reduced sublayer output is BF16, as the collective returns it.
         summed = reduced.load().to(BFloat16).to(Float32)
@@ -289,8 +299,6 @@ class BoundaryKernel(DeviceKernel):
         for source in cutlass.range_constexpr(HC):
             mixed = mixed + ptx.words_to_f32x8(streams[source, None].load()) * comb_j[source]
         stream_words = ptx.f32x8_to_words(mixed)
-        output = (Int64(token) * HC + Int64(lane)) * hidden + column
-        ptx.store_u32x4(residual_out.toint() + output * 2, stream_words)
 
         partials = cute.make_rmem_tensor(cute.make_layout((VALUES,)), Float32)
         fn_stage.wait(fn_barrier)
@@ -315,6 +323,9 @@ class BoundaryKernel(DeviceKernel):
         rstd = mixes_rstd(totals, hidden, config.rms_eps)
         if (cluster_rank == 0) & (tidx == 0):
             write_raw_mixes(totals, rstd, mixes_out, token)
+        cute.arch.griddepcontrol_wait()
+        output = (Int64(token) * HC + Int64(lane)) * hidden + column
+        ptx.store_u32x4(residual_out.toint() + output * 2, stream_words)
         mix = cute.arch.load((totals + lane).llvm_ptr, Float32) * rstd
         prenorm_words = collapse_streams(stream_words, pre_mix(mix, scale, base, lane, Float32(config.hc_eps)))
 
@@ -329,3 +340,4 @@ class BoundaryKernel(DeviceKernel):
             prenorm = ptx.words_to_f32x8(prenorm_words)
             result = prenorm * inv_rms * ptx.words_to_f32x8(gamma_words)
             ptx.store_u32x4(layer_input.toint() + (Int64(token) * hidden + column) * 2, ptx.f32x8_to_words(result))
+        protocol.advance_stage_after_all(stage_state, arrivals, stage, m, (cluster_rank == 0) & (tidx == 0) & polled)

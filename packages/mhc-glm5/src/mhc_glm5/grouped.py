@@ -2,10 +2,12 @@
 
 ``tokens`` tokens per cluster share one load of the ``fn`` rows in registers and
 both cluster reductions. Before the PDL wait (when ``prefetch``) every token's
-residual fragments and its post / comb mixes are staged in shared memory; after
-it, every token's slots are polled together (a repeated token reads its slot again
-before any slot is re-armed). A short last group repeats its last token; the
-repeats rewrite the same outputs, and the raw mixes are written once per token.
+residual fragments and its post / comb mixes are staged in shared memory; then,
+still before the wait (``mhc_glm5.boundary``), every token's slots are polled
+together (a repeated token reads its slot again before any slot is re-armed). The
+wait comes after the cluster reduction, before ``residual_out`` is stored. A short
+last group repeats its last token; the repeats rewrite the same outputs, and the raw
+mixes are written once per token.
 
 Per token the math is ``mhc_glm5.boundary``'s, with each lane's 25 GEMV /
 sum-of-squares terms summed over the warp by one reduce-scatter (lane ``i`` ends
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, Uint32
+from cutlass import Boolean, Float32, Int32, Int64, Uint32
 
 from mhc_core import protocol, ptx, reduce
 from mhc_core.constants import VEC_BF16, WARP_SIZE
@@ -77,6 +79,7 @@ class GroupBoundaryKernel(BoundaryKernel):
         capacity: Int32,
         spin_limit_ns: Int64,
         error_flag: Int64,
+        arrivals: cute.Tensor,
         m: Int32,
     ):
         config = self.config
@@ -129,14 +132,15 @@ class GroupBoundaryKernel(BoundaryKernel):
                 cute.arch.store((mix_inputs + index).llvm_ptr, value)
         cute.arch.barrier()
 
-        cute.arch.griddepcontrol_wait()
+        # Polled before the PDL wait; the wait comes before the first output store (``boundary``).
+        stage = protocol.stage_before_wait(stage_state)
+        polled = Boolean(True)
         kept = cute.make_rmem_tensor(cute.make_layout((tokens, waves, 4), stride=(waves * 4, 4, 1)), Uint32)
         if from_x:
             for t in cutlass.range_constexpr(tokens):
                 kept[t, 0, None].store(load_x(x, cutlass.min(first + t, last), column, hidden))
-            cute.arch.griddepcontrol_launch_dependents()
+            polled = Boolean(False)
         else:
-            stage = protocol.active_stage(stage_state)
             mailbox_base = mailbox.iterator.toint()
             protocol.poll_slots(
                 kept, mailbox_base, stage, first, last, fragment, lane, True, tokens, tp, HC, capacity, hidden,
@@ -150,14 +154,12 @@ class GroupBoundaryKernel(BoundaryKernel):
                 protocol.sum_over_lanes(reduced, HC)
                 # The all-reduced sublayer output is BF16, as the collective returns it.
                 kept[t, 0, None].store(ptx.f32x8_to_words(reduced.load()))
-            protocol.advance_stage(stage_state, stage, (group == 0) & (cluster_rank == 0) & (tidx == 0))
-            cute.arch.griddepcontrol_launch_dependents()
             protocol.rearm_slots(
                 mailbox_base, stage, first, last, fragment, lane, True, tokens, tp, HC, capacity, hidden
             )  # fmt: skip
+        cute.arch.griddepcontrol_launch_dependents()
 
         for t in cutlass.range_constexpr(tokens):
-            token = cutlass.min(first + t, last)
             inputs = mix_inputs + t * MIX_INPUTS
             mixed = ptx.words_to_f32x8(kept[t, 0, None].load()) * cute.arch.load((inputs + lane).llvm_ptr, Float32)
             for source in cutlass.range_constexpr(HC):
@@ -167,8 +169,6 @@ class GroupBoundaryKernel(BoundaryKernel):
                 )
             stream_words = ptx.f32x8_to_words(mixed)
             kept[t, 0, None].store(stream_words)
-            output = (Int64(token) * HC + Int64(lane)) * hidden + column
-            ptx.store_u32x4(residual_out.toint() + output * 2, stream_words)
             partial = gemv_partials(lambda row: fn_rows[row, None].load(), stream_words, config.mixed_fma)
             for _ in cutlass.range_constexpr(WARP_SIZE - VALUES):
                 partial.append(Float32(0.0))
@@ -203,6 +203,10 @@ class GroupBoundaryKernel(BoundaryKernel):
                 )
         cute.arch.barrier()
 
+        cute.arch.griddepcontrol_wait()
+        for t in cutlass.range_constexpr(tokens):
+            output = (Int64(cutlass.min(first + t, last)) * HC + Int64(lane)) * hidden + column
+            ptx.store_u32x4(residual_out.toint() + output * 2, kept[t, 0, None].load())
         hc_eps = Float32(config.hc_eps)
         for t in cutlass.range_constexpr(tokens):
             rstd = mixes_rstd(totals + t * VALUES, hidden, config.rms_eps)
@@ -236,3 +240,6 @@ class GroupBoundaryKernel(BoundaryKernel):
                 inv_rms = inverse_rms(sum_square, hidden, config.norm_eps)
                 result = ptx.words_to_f32x8(kept[t, 0, None].load()) * inv_rms * weight
                 ptx.store_u32x4(layer_input.toint() + (Int64(token) * hidden + column) * 2, ptx.f32x8_to_words(result))
+        clusters = (m + tokens - 1) // tokens
+        leader = (cluster_rank == 0) & (tidx == 0) & polled
+        protocol.advance_stage_after_all(stage_state, arrivals, stage, clusters, leader)

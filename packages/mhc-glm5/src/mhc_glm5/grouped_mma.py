@@ -21,16 +21,17 @@ other kernels' threads, so a lone cluster has more warps to hide latency). Lane
    the MMA operand reads of step 3 each touch 8 distinct 16-byte bank groups per
    quarter-warp, so none has bank conflicts.
 2. Per token half, lane ``q`` owns fragment ``q`` of the warp for token ``g``: it polls
-   it from every rank (summed in the same FP32 tree as the rank lanes of the other
-   kernels: ``protocol.rank_tree_sum``), post-mixes all 4 streams, stores
-   ``residual_out`` and writes the streams back over the sources in shared memory.
+   it from every rank, before the PDL wait (``mhc_glm5.boundary``; summed in the same
+   FP32 tree as the rank lanes of the other kernels: ``protocol.rank_tree_sum``),
+   post-mixes all 4 streams and writes them back over the sources in shared memory.
 3. MMA: lane ``q`` feeds stream ``q`` of each of the warp's fragments; the k index is
    permuted so that its k-slots ``2q, 2q + 1, 2q + 8, 2q + 9`` are the fragment's
    columns 0-3 (then 4-7), and B is read with the same permutation (staged ``fn`` rows
    ``8 n + g`` of stream ``q``). Warps and then the cluster reduce the 24 x tokens sums
    and each token's sum of squares (warps in order, peers in rank order).
-4. Collapse ``bf16((t0 + t1) + (t2 + t3))``, ``t_j = s_j * pre_j``, and RMS-normalise
-   for the lane's fragment.
+4. After the PDL wait: store ``residual_out`` from shared memory, collapse
+   ``bf16((t0 + t1) + (t2 + t3))``, ``t_j = s_j * pre_j``, and RMS-normalise for the
+   lane's fragment.
 
 Tokens past M (a short last group) are inactive: nothing polled, re-armed or stored.
 """
@@ -39,7 +40,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, Uint32
+from cutlass import Boolean, Float32, Int32, Int64, Uint32
 
 from mhc_core import protocol, ptx, reduce
 from mhc_core.constants import VEC_BF16, WARP_SIZE
@@ -124,6 +125,7 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         capacity: Int32,
         spin_limit_ns: Int64,
         error_flag: Int64,
+        arrivals: cute.Tensor,
         m: Int32,
     ):
         config = self.config
@@ -187,7 +189,10 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
                 ptx.copy_async_4(mix_inputs + index, address)
         cute.arch.cp_async_commit_group()
 
-        cute.arch.griddepcontrol_wait()
+        # Polled before the PDL wait; the wait comes before the first output store (``boundary``).
+        stage = protocol.stage_before_wait(stage_state)
+        mailbox_base = mailbox.iterator.toint()
+        polled = Boolean(True)
         squares = cute.make_rmem_tensor(cute.make_layout((halves,)), Float32)
         for h in cutlass.range_constexpr(halves):
             t = h * TOKENS_PER_HALF + g
@@ -200,23 +205,19 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
                     for k in cutlass.range_constexpr(LANE_FRAGMENTS):
                         column = Int64(first_fragment + q + k * HC) * VEC_BF16
                         kept[k, 0, None].store(load_x(x, token, column, hidden))
-                if cutlass.const_expr(h == halves - 1):
-                    cute.arch.griddepcontrol_launch_dependents()
+                polled = Boolean(False)
             else:
-                stage = protocol.active_stage(stage_state)
-                mailbox_base = mailbox.iterator.toint()
                 # One thread polls every rank of its two fragments (fragment step 4, rank lanes 1).
                 protocol.poll_slots(
                     kept, mailbox_base, stage, token, token, first_fragment + q, Int32(0), active, LANE_FRAGMENTS,
                     tp, 1, capacity, hidden, spin_limit_ns, error_flag, 0, HC,
                 )  # fmt: skip
-                if cutlass.const_expr(h == halves - 1):
-                    protocol.advance_stage(stage_state, stage, (group == 0) & (cluster_rank == 0) & (tidx == 0))
-                    cute.arch.griddepcontrol_launch_dependents()
                 protocol.rearm_slots(
                     mailbox_base, stage, token, token, first_fragment + q, Int32(0), active, LANE_FRAGMENTS, tp, 1,
                     capacity, hidden, 0, HC,
                 )  # fmt: skip
+            if cutlass.const_expr(h == halves - 1):
+                cute.arch.griddepcontrol_launch_dependents()
             if cutlass.const_expr(h == 0):
                 # The staged inputs landed (this thread's copies), and are visible to all (the barrier).
                 cute.arch.cp_async_wait_group(0)
@@ -235,9 +236,6 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
                     for i in cutlass.range_constexpr(HC):
                         mixed = mixed + sources[i] * cute.arch.load((inputs + HC + i * HC + j).llvm_ptr, Float32)
                     stream_words = ptx.f32x8_to_words(mixed)
-                    if active:
-                        output = (Int64(token) * HC + Int64(j)) * hidden + Int64(first_fragment + q + k * HC) * VEC_BF16
-                        ptx.store_u32x4(residual_out.toint() + output * 2, stream_words)
                     square = square + ptx.dot_bf16x8(stream_words, stream_words, config.mixed_fma)
                     # This lane alone reads source j of this fragment and token.
                     ptx.store_shared_u32x4(staged + staged_slot(f, j, t, tokens), stream_words)
@@ -299,6 +297,7 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
             if (cluster_rank == 0) & (lane_id == 0) & (t < Int32(tokens)) & (first + t <= last):
                 rstd = mixes_rstd(totals + t * VALUES, hidden, config.rms_eps)
                 write_raw_mixes(totals + t * VALUES, rstd, mixes_out, first + t)
+        cute.arch.griddepcontrol_wait()
         hc_eps = Float32(config.hc_eps)
         prenorm = cute.make_rmem_tensor(
             cute.make_layout((halves, LANE_FRAGMENTS, 4), stride=(LANE_FRAGMENTS * 4, 4, 1)), Uint32
@@ -315,10 +314,13 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
             square = Float32(0.0)
             for k in cutlass.range_constexpr(LANE_FRAGMENTS):
                 f = local + q + k * HC
-                terms = [
-                    ptx.words_to_f32x8(ptx.load_shared_u32x4(staged + staged_slot(f, j, t, tokens))) * pre[j]
-                    for j in range(HC)
-                ]
+                streams = [ptx.load_shared_u32x4(staged + staged_slot(f, j, t, tokens)) for j in range(HC)]
+                if first + t <= last:
+                    column = Int64(first_fragment + q + k * HC) * VEC_BF16
+                    for j in cutlass.range_constexpr(HC):
+                        output = (Int64(first + t) * HC + Int64(j)) * hidden + column
+                        ptx.store_u32x4(residual_out.toint() + output * 2, streams[j])
+                terms = [ptx.words_to_f32x8(streams[j]) * pre[j] for j in range(HC)]
                 collapsed = ptx.f32x8_to_words((terms[0] + terms[1]) + (terms[2] + terms[3]))
                 prenorm[h, k, None].store(collapsed)
                 square = square + ptx.dot_bf16x8(collapsed, collapsed, config.mixed_fma)
@@ -350,3 +352,6 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
                     ptx.store_u32x4(
                         layer_input.toint() + (Int64(token) * hidden + column) * 2, ptx.f32x8_to_words(result)
                     )
+        clusters = (m + tokens - 1) // tokens
+        leader = (cluster_rank == 0) & (tidx == 0) & polled
+        protocol.advance_stage_after_all(stage_state, arrivals, stage, clusters, leader)

@@ -119,6 +119,9 @@ class AllReduceMhcBoundary(LamportOp):
         # Per token: the boundary writes the raw mixes, the mixes kernel polls, copies and re-arms them.
         self._mixes_handoff = torch.full((self.capacity, MIX), -0.0, dtype=torch.float32, device=self.device)
         self._raw_mixes = torch.empty(self.capacity, MIX, dtype=torch.float32, device=self.device)
+        # The boundaries' clusters count in here; the last one moves the stage on (it polls before
+        # its PDL wait: ``mhc_core.protocol.advance_stage_after_all``).
+        self._arrivals = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._side = torch.cuda.Stream(self.device)
         self._pending: torch.cuda.Event | None = None
         self._setup()
@@ -188,7 +191,7 @@ class AllReduceMhcBoundary(LamportOp):
     def _bind_collectives(self) -> None:
         fixed = self._collective_fixed()
         self._boundaries: dict[int, BoundKernel] = {
-            tokens: self._bind(kernel, dict(fixed, mixes_out=self._mixes_handoff))
+            tokens: self._bind(kernel, dict(fixed, mixes_out=self._mixes_handoff, arrivals=self._arrivals))
             for tokens, kernel in self._boundary_kernels.items()
         }
         spin = {"spin_limit_ns": fixed["spin_limit_ns"], "error_flag": fixed["error_flag"]}
