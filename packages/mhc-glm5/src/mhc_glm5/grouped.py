@@ -110,14 +110,19 @@ class GroupBoundaryKernel(BoundaryKernel):
 
         if (prefetch == Int32(0)) | from_x:
             cute.arch.griddepcontrol_wait()
+        # The post-mix's inputs are requested before fn (``mhc_glm5.boundary``).
+        kept = cute.make_rmem_tensor(cute.make_layout((tokens, waves, 4), stride=(waves * 4, 4, 1)), Uint32)
+        if from_x:
+            for t in cutlass.range_constexpr(tokens):
+                kept[t, 0, None].store(load_x(x, cutlass.min(first + t, last), column, hidden))
+        sources = cute.make_rmem_tensor(cute.make_layout((tokens, 4), stride=(4, 1)), Uint32)
+        for t in cutlass.range_constexpr(tokens):
+            element = (Int64(cutlass.min(first + t, last)) * HC + Int64(lane)) * hidden + column
+            sources[t, None].store(ptx.load_u32x4(residual.toint() + element * 2))
         fn_rows = load_fn_rows(fn, lane, column, hidden)
         gamma_words = ptx.load_u32x4(gamma.toint() + column * 2)
         for t in cutlass.range_constexpr(tokens):
-            token = cutlass.min(first + t, last)
-            element = (Int64(token) * HC + Int64(lane)) * hidden + column
-            ptx.store_shared_u32x4(
-                staged + ((t * HC + lane) * groups + local) * 4, ptx.load_u32x4(residual.toint() + element * 2)
-            )
+            ptx.store_shared_u32x4(staged + ((t * HC + lane) * groups + local) * 4, sources[t, None].load())
         for trip in cutlass.range_constexpr(-(-(tokens * MIX_INPUTS) // threads)):
             index = tidx + trip * threads
             if index < Int32(tokens * MIX_INPUTS):
@@ -135,10 +140,7 @@ class GroupBoundaryKernel(BoundaryKernel):
         # Polled before the PDL wait; the wait comes before the first output store (``boundary``).
         stage = protocol.stage_before_wait(stage_state)
         polled = Boolean(True)
-        kept = cute.make_rmem_tensor(cute.make_layout((tokens, waves, 4), stride=(waves * 4, 4, 1)), Uint32)
         if from_x:
-            for t in cutlass.range_constexpr(tokens):
-                kept[t, 0, None].store(load_x(x, cutlass.min(first + t, last), column, hidden))
             polled = Boolean(False)
         else:
             mailbox_base = mailbox.iterator.toint()

@@ -13,13 +13,14 @@ stream), a warp 4 consecutive ones (``mhc_glm5.config.mma_threads``: twice the
 other kernels' threads, so a lone cluster has more warps to hide latency). Lane
 ``l``: token ``g = l / 4`` (and ``g + 8`` with 16 tokens), ``q = l % 4``.
 
-1. Before the PDL wait (``prefetch``): bulk copies of the CTA's ``fn`` columns into
-   shared memory (``mhc_glm5.fn_stage``, waited for before the MMA), and asynchronous
-   copies (``cp.async``, waited for after the first poll) of every token's residual
-   fragments and post / comb into shared memory, ``[fragment][source][token]`` with
-   the tokens of each block of 8 rotated by ``2 (fragment + source)``: the staging, the per-lane reads of step 2 and
-   the MMA operand reads of step 3 each touch 8 distinct 16-byte bank groups per
-   quarter-warp, so none has bank conflicts.
+1. Before the PDL wait (``prefetch``): asynchronous copies (``cp.async``, waited for
+   after the first poll) of every token's residual fragments and post / comb into
+   shared memory, then bulk copies of the CTA's ``fn`` columns (``mhc_glm5.fn_stage``,
+   waited for before the MMA): the post-mix's inputs arrive first. The staging is
+   ``[fragment][source][token]`` with the tokens of each block of 8 rotated by
+   ``2 (fragment + source)``: the staging, the per-lane reads of step 2 and the MMA
+   operand reads of step 3 each touch 8 distinct 16-byte bank groups per quarter-warp,
+   so none has bank conflicts.
 2. Per token half, lane ``q`` owns fragment ``q`` of the warp for token ``g``: it polls
    it from every rank, before the PDL wait (``mhc_glm5.boundary``; summed in the same
    FP32 tree as the rank lanes of the other kernels: ``protocol.rank_tree_sum``),
@@ -158,13 +159,21 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
 
         if (prefetch == Int32(0)) | from_x:
             cute.arch.griddepcontrol_wait()
-        fn_stage.start(
-            fn, fn_staged, fn_barrier, cluster_rank * fragments, fragments, FN_ROTATION_ROWS, hidden, threads
-        )
-        gamma_words = cute.make_rmem_tensor(cute.make_layout((LANE_FRAGMENTS, 4), stride=(4, 1)), Uint32)
-        for k in cutlass.range_constexpr(LANE_FRAGMENTS):
-            column = Int64(first_fragment + q + k * HC) * VEC_BF16
-            gamma_words[k, None].store(ptx.load_u32x4(gamma.toint() + column * 2))
+        # What the post-mix needs is requested first (x when read directly, then the staged
+        # inputs), fn after it (``mhc_glm5.boundary``): the SM takes them in about in that order.
+        # Per token half: lane q's fragments of token g (or g + 8), every rank (x: rank 0 only).
+        kept = [
+            cute.make_rmem_tensor(cute.make_layout((LANE_FRAGMENTS, tp, 4), stride=(tp * 4, 4, 1)), Uint32)
+            for _ in range(halves)
+        ]
+        if from_x:
+            for h in cutlass.range_constexpr(halves):
+                token = first + h * TOKENS_PER_HALF + g
+                kept[h].fill(Uint32(0))
+                if token <= last:
+                    for k in cutlass.range_constexpr(LANE_FRAGMENTS):
+                        column = Int64(first_fragment + q + k * HC) * VEC_BF16
+                        kept[h][k, 0, None].store(load_x(x, token, column, hidden))
         # Asynchronous copies (no registers, all in flight at once), waited for after the first poll.
         # Token fastest: a warp reads a few consecutive fragments of 8-16 rows, full sectors.
         count = tokens * HC * fragments
@@ -188,6 +197,13 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
                     address = post.toint() + (row * HC + Int64(j)) * 4
                 ptx.copy_async_4(mix_inputs + index, address)
         cute.arch.cp_async_commit_group()
+        fn_stage.start(
+            fn, fn_staged, fn_barrier, cluster_rank * fragments, fragments, FN_ROTATION_ROWS, hidden, threads
+        )
+        gamma_words = cute.make_rmem_tensor(cute.make_layout((LANE_FRAGMENTS, 4), stride=(4, 1)), Uint32)
+        for k in cutlass.range_constexpr(LANE_FRAGMENTS):
+            column = Int64(first_fragment + q + k * HC) * VEC_BF16
+            gamma_words[k, None].store(ptx.load_u32x4(gamma.toint() + column * 2))
 
         # Polled before the PDL wait; the wait comes before the first output store (``boundary``).
         stage = protocol.stage_before_wait(stage_state)
@@ -198,18 +214,12 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
             t = h * TOKENS_PER_HALF + g
             token = first + t
             active = token <= last
-            kept = cute.make_rmem_tensor(cute.make_layout((LANE_FRAGMENTS, tp, 4), stride=(tp * 4, 4, 1)), Uint32)
             if from_x:
-                kept.fill(Uint32(0))
-                if active:
-                    for k in cutlass.range_constexpr(LANE_FRAGMENTS):
-                        column = Int64(first_fragment + q + k * HC) * VEC_BF16
-                        kept[k, 0, None].store(load_x(x, token, column, hidden))
                 polled = Boolean(False)
             else:
                 # One thread polls every rank of its two fragments (fragment step 4, rank lanes 1).
                 protocol.poll_slots(
-                    kept, mailbox_base, stage, token, token, first_fragment + q, Int32(0), active, LANE_FRAGMENTS,
+                    kept[h], mailbox_base, stage, token, token, first_fragment + q, Int32(0), active, LANE_FRAGMENTS,
                     tp, 1, capacity, hidden, spin_limit_ns, error_flag, 0, HC,
                 )  # fmt: skip
                 protocol.rearm_slots(
@@ -227,7 +237,7 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
             for k in cutlass.range_constexpr(LANE_FRAGMENTS):
                 f = local + q + k * HC
                 # The all-reduced sublayer output is BF16, as the collective returns it.
-                summed = protocol.rank_tree_sum(kept, k, tp, HC).to(cutlass.BFloat16).to(Float32)
+                summed = protocol.rank_tree_sum(kept[h], k, tp, HC).to(cutlass.BFloat16).to(Float32)
                 sources = [
                     ptx.words_to_f32x8(ptx.load_shared_u32x4(staged + staged_slot(f, i, t, tokens))) for i in range(HC)
                 ]
