@@ -27,9 +27,9 @@ At tp = 1 a launch with ``direct`` set reads ``x`` (the sublayer output) instead
 publish ran, so nothing is polled, re-armed or moved on (the op's plain calls; the grouped
 kernels do the same).
 
-The residual streams, the weight, post and comb are loaded, and then the CTA's ``fn``
-slice is staged in shared memory by bulk copies (``mhc_glm5.fn_stage``), before the PDL
-wait when the kernel right before is the publish (``prefetch``).
+The CTA's ``fn`` slice is staged in shared memory by bulk copies (``mhc_glm5.fn_stage``),
+and the residual streams, the weight, post and comb are loaded, before the PDL wait
+when the kernel right before is the publish (``prefetch``).
 """
 
 from __future__ import annotations
@@ -263,11 +263,9 @@ class BoundaryKernel(DeviceKernel):
 
         if (prefetch == Int32(0)) | from_x:
             cute.arch.griddepcontrol_wait()
-        # What the post-mix needs is requested before fn: an SM takes in the loads it asked for
-        # about in order (~70 GB/s), and fn (98 KB per CTA) is needed only after the post-mix.
-        x_words = cute.make_rmem_tensor(cute.make_layout((4,)), Uint32)
-        if from_x:
-            x_words.store(load_x(x, token, column, hidden))
+        fn_stage.start(
+            fn, fn_staged, fn_barrier, cluster_rank * groups, groups, FN_ROTATION_STREAMS, hidden, config.threads
+        )
         streams = cute.make_rmem_tensor(cute.make_layout((HC, 4), stride=(4, 1)), Uint32)
         for source in cutlass.range_constexpr(HC):
             element = (Int64(token) * HC + source) * hidden + column
@@ -277,9 +275,6 @@ class BoundaryKernel(DeviceKernel):
         comb_j = cute.make_rmem_tensor(cute.make_layout((HC,)), Float32)
         for source in cutlass.range_constexpr(HC):
             comb_j[source] = cute.arch.load((comb + (Int64(token) * HC + source) * HC + Int64(lane)).llvm_ptr, Float32)
-        fn_stage.start(
-            fn, fn_staged, fn_barrier, cluster_rank * groups, groups, FN_ROTATION_STREAMS, hidden, config.threads
-        )
 
         # Polled before the PDL wait (Lamport slots need no ordering); the wait comes before the
         # first output store, as an output may alias what the publish reads.
@@ -287,7 +282,7 @@ class BoundaryKernel(DeviceKernel):
         polled = Boolean(True)
         reduced = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
         if from_x:
-            reduced.store(ptx.words_to_f32x8(x_words.load()))
+            reduced.store(ptx.words_to_f32x8(load_x(x, token, column, hidden)))
             polled = Boolean(False)
         else:
             mailbox_base = mailbox.iterator.toint()
