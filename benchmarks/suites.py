@@ -53,10 +53,12 @@ class Context:
 
     def start_together(self) -> None:
         """Before a timed replay: the host barrier, then (tp > 1) a device-side barrier kernel on
-        the current stream (torch symm_mem), so that every rank records its start event within
-        about a microsecond of the others. After the host barrier alone the GPUs start up to tens
-        of microseconds apart, and the rank that starts first waits for the others inside its
-        first call: that wait, spread over the replay's calls, would count as its time."""
+        the current stream (torch symm_mem), so that the ranks' start events are recorded together
+        rather than whenever each host left the barrier: a rank whose GPU starts first waits for
+        the others inside its first call, and that wait would count as its time. On the H200 pair
+        it removed the outlier replays seen without it (tp 2, M = 1: 9.3 against 7.0-7.3 us); a
+        steady 0.5-0.7 us difference between the two ranks' medians remains, unexplained
+        (BENCHMARKS.md, fifth run)."""
         self.sync()
         if self.group is None:
             return
