@@ -96,14 +96,13 @@ def load_volatile_u32x4(address: Int64, *, loc=None, ip=None) -> cute.TensorSSA:
     return _words_ssa(result, loc=loc, ip=ip)
 
 
-@dsl_user_op
-def load_volatile_u32(address: Int64, *, loc=None, ip=None) -> Uint32:
-    """A volatile 32-bit load (the stage state, written by the previous kernel)."""
+def _u32_at(text: str, address: Int64, loc, ip) -> Uint32:
+    """One 32-bit memory operation at ``address`` that returns a word (a load or an atomic)."""
     return Uint32(
         llvm.inline_asm(
             T.i32(),
             [_value(Int64(address), loc, ip)],
-            PTX_LOAD_VOLATILE_U32,
+            text,
             "=r,l,~{memory}",
             has_side_effects=True,
             asm_dialect=0,
@@ -113,83 +112,56 @@ def load_volatile_u32(address: Int64, *, loc=None, ip=None) -> Uint32:
     )
 
 
-# -------------------------------------------------------------------------- stores
 @dsl_user_op
-def store_u32x4(address: Int64, words: cute.TensorSSA, *, loc=None, ip=None) -> None:
-    """One 16-byte global store to a 64-bit address (local or a peer's mailbox)."""
+def load_volatile_u32(address: Int64, *, loc=None, ip=None) -> Uint32:
+    """A volatile 32-bit load (the stage state, written by the previous kernel)."""
+    return _u32_at(PTX_LOAD_VOLATILE_U32, address, loc, ip)
+
+
+# -------------------------------------------------------------------------- stores
+def _store(text: str, address: Int64, words: list, loc, ip) -> None:
+    """One global store of ``words`` (32-bit values) at ``address``."""
     llvm.inline_asm(
         None,
-        [_value(Int64(address), loc, ip), *_elements(words, loc=loc, ip=ip)],
-        PTX_STORE_U32X4,
-        "l,r,r,r,r,~{memory}",
+        [_value(Int64(address), loc, ip), *words],
+        text,
+        "l," + "r," * len(words) + "~{memory}",
         has_side_effects=True,
         asm_dialect=0,
         loc=loc,
         ip=ip,
     )
+
+
+@dsl_user_op
+def store_u32x4(address: Int64, words: cute.TensorSSA, *, loc=None, ip=None) -> None:
+    """One 16-byte global store to a 64-bit address (local or a peer's mailbox)."""
+    _store(PTX_STORE_U32X4, address, _elements(words, loc=loc, ip=ip), loc, ip)
 
 
 @dsl_user_op
 def multimem_store_bf16x8(address: Int64, words: cute.TensorSSA, *, loc=None, ip=None) -> None:
     """One NVLink multicast store of 8 BF16 values to every rank's copy of a slot."""
-    llvm.inline_asm(
-        None,
-        [_value(Int64(address), loc, ip), *_elements(words, loc=loc, ip=ip)],
-        PTX_MULTIMEM_STORE_BF16X8,
-        "l,r,r,r,r,~{memory}",
-        has_side_effects=True,
-        asm_dialect=0,
-        loc=loc,
-        ip=ip,
-    )
+    _store(PTX_MULTIMEM_STORE_BF16X8, address, _elements(words, loc=loc, ip=ip), loc, ip)
 
 
 @dsl_user_op
 def arrive_u32(address: Int64, *, loc=None, ip=None) -> Uint32:
     """Add 1 to a 32-bit counter and return its old value, acquire-release at GPU scope (what
     this thread read or wrote before happens before what the one that sees the count does after)."""
-    return Uint32(
-        llvm.inline_asm(
-            T.i32(),
-            [_value(Int64(address), loc, ip)],
-            PTX_ARRIVE_U32,
-            "=r,l,~{memory}",
-            has_side_effects=True,
-            asm_dialect=0,
-            loc=loc,
-            ip=ip,
-        )
-    )
+    return _u32_at(PTX_ARRIVE_U32, address, loc, ip)
 
 
 @dsl_user_op
 def store_u32(address: Int64, value: Uint32, *, loc=None, ip=None) -> None:
     """A 32-bit global store (the stage state)."""
-    llvm.inline_asm(
-        None,
-        [_value(Int64(address), loc, ip), _value(Uint32(value), loc, ip)],
-        PTX_STORE_U32,
-        "l,r,~{memory}",
-        has_side_effects=True,
-        asm_dialect=0,
-        loc=loc,
-        ip=ip,
-    )
+    _store(PTX_STORE_U32, address, [_value(Uint32(value), loc, ip)], loc, ip)
 
 
 @dsl_user_op
 def store_system_u32(address: Int64, value: Uint32, *, loc=None, ip=None) -> None:
     """A system-scope 32-bit store, visible to the host (the mapped error flag)."""
-    llvm.inline_asm(
-        None,
-        [_value(Int64(address), loc, ip), _value(Uint32(value), loc, ip)],
-        PTX_STORE_SYSTEM_U32,
-        "l,r,~{memory}",
-        has_side_effects=True,
-        asm_dialect=0,
-        loc=loc,
-        ip=ip,
-    )
+    _store(PTX_STORE_SYSTEM_U32, address, [_value(Uint32(value), loc, ip)], loc, ip)
 
 
 @cute.jit
