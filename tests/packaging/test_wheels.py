@@ -17,10 +17,10 @@ PACKAGES = {
     # distribution: (import name, pins its METADATA must declare)
     "mhc-core": ("mhc_core", {DSL, "torch", "numpy"}),  # numpy: mhc_core.spin uses Tensor.numpy()
     "mhc-dsv41": ("mhc_dsv41", {"mhc-core~=0.2.0", DSL, "torch"}),
-    "mhc-glm5": ("mhc_glm5", {"mhc-core~=0.2.1", DSL, "torch"}),  # 0.2.1: stage_before_wait
+    "mhc-glm5": ("mhc_glm5", {"mhc-core~=0.2.2", DSL, "torch"}),  # 0.2.2: the scaling-form Sinkhorn
 }
 #: Each package's own version (its __init__); bumped when its kernels or API change.
-VERSIONS = {"mhc-core": "0.2.1", "mhc-dsv41": "0.1.1", "mhc-glm5": "0.5.0"}
+VERSIONS = {"mhc-core": "0.2.2", "mhc-dsv41": "0.1.1", "mhc-glm5": "0.5.1"}
 
 BUILD = """
 import sys

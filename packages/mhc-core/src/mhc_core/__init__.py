@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.2.1"
+__version__ = "0.2.2"
 
 _EXPORTS = {
     "LamportAllReduce": "allreduce",

@@ -135,8 +135,8 @@ def sinkhorn(logits: torch.Tensor, eps: float, repeat: int) -> torch.Tensor:
 
     Per row ``c = exp(c - max) / ((e0 + e1) + (e2 + e3)) + eps``; then ``repeat``
     rounds, from the second on dividing each row by ``((c0 + c1) + (c2 + c3)) + eps``,
-    then each column likewise. The device function uses ``rcp.approx`` and a fast
-    ``exp`` where this divides and calls ``torch.exp``.
+    then each column likewise. The device function (``mhc_core.sinkhorn``) runs the same
+    rounds in scaling form with ``rcp.approx``: equal in exact math, rounded differently.
     """
     c = logits.float()
 

@@ -143,10 +143,17 @@ def reads_x(direct: Int32, tp: cutlass.Constexpr[int]) -> Boolean:
 
 
 @cute.jit
+def load_x_raw(x: cute.Pointer, token: Int32, column: Int64, hidden: cutlass.Constexpr[int]) -> cute.TensorSSA:
+    """A fragment of ``x[token]`` as stored: pass it through ``ptx.sanitize_negative_zero`` before
+    use (``load_x``). Kept apart so that a prologue can issue it without waiting for it."""
+    return ptx.load_u32x4(x.toint() + (Int64(token) * hidden + column) * 2)
+
+
+@cute.jit
 def load_x(x: cute.Pointer, token: Int32, column: Int64, hidden: cutlass.Constexpr[int]) -> cute.TensorSSA:
     """A fragment of ``x[token]`` with -0 as +0: the words a publish would have written, so the
     boundary's result is bit-identical to the mailbox path's (whose tree adds them to +0)."""
-    return ptx.sanitize_negative_zero(ptx.load_u32x4(x.toint() + (Int64(token) * hidden + column) * 2))
+    return ptx.sanitize_negative_zero(load_x_raw(x, token, column, hidden))
 
 
 @cute.jit

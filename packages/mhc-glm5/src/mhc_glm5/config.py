@@ -126,11 +126,11 @@ def mma_threads(hidden: int, cluster_size: int) -> int:
 
 
 def mma_shared_bytes(hidden: int, cluster_size: int, tokens: int) -> int:
-    """Tensor-core kernel: the staged ``fn``, residual fragments ``[fragment][source][token]``, mix
-    inputs, reductions."""
+    """Tensor-core kernel: the staged ``fn``, the residual streams (one row per token and source,
+    padded like the ``fn`` rows) and their mbarrier, mix inputs, reductions."""
     fragments = hidden // VEC_BF16 // cluster_size
     warps = mma_threads(hidden, cluster_size) // WARP_SIZE
-    staged = fragments * HC * tokens * 16
+    staged = FN_BARRIER_BYTES + tokens * HC * fn_chunk_words(fragments, FN_ROTATION_ROWS) * 4
     floats = tokens * (MIX_INPUTS + (warps + cluster_size + 1) * VALUES + warps + cluster_size)
     return fn_stage_bytes(fragments, FN_ROTATION_ROWS) + staged + floats * 4
 

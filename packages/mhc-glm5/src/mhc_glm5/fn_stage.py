@@ -31,7 +31,18 @@ def allocate(smem: cutlass.memory.SmemAllocator, fragments: int, rotation: int) 
 
 
 @cute.jit
-def start(
+def arm(barrier: cute.Pointer, transaction_bytes: cutlass.Constexpr[int]) -> None:
+    """Thread 0 initialises ``barrier`` for one phase of ``transaction_bytes``; the caller's CTA
+    barrier must follow before any copy names it."""
+    tidx, _, _ = cute.arch.thread_idx()
+    if tidx == 0:
+        cute.arch.mbarrier_init(barrier, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.mbarrier_arrive_and_expect_tx(barrier, transaction_bytes)
+
+
+@cute.jit
+def copy(
     fn: cute.Pointer,
     staged: cute.Pointer,
     barrier: cute.Pointer,
@@ -42,14 +53,8 @@ def start(
     threads: cutlass.Constexpr[int],
 ) -> None:
     """Start the copies of ``fn``'s columns ``[first_fragment, + fragments)`` (in fragments) into
-    ``staged`` (``Uint32``); every thread of the CTA calls it (one CTA barrier)."""
+    ``staged`` (``Uint32``), against an armed ``barrier``."""
     tidx, _, _ = cute.arch.thread_idx()
-    if tidx == 0:
-        cute.arch.mbarrier_init(barrier, 1)
-        cute.arch.mbarrier_init_fence()
-        cute.arch.mbarrier_arrive_and_expect_tx(barrier, FN_CHUNKS * fragments * 16)
-    # The barrier is initialised before any copy names it.
-    cute.arch.barrier()
     stride = fn_chunk_words(fragments, rotation)
     for trip in cutlass.range_constexpr(-(-FN_CHUNKS // threads)):
         chunk = tidx + trip * threads
@@ -58,6 +63,24 @@ def start(
             stream = chunk % HC
             element = Int64(row) * (HC * hidden) + Int64(stream) * hidden + Int64(first_fragment) * VEC_BF16
             ptx.bulk_copy(staged + chunk * stride, fn.toint() + element * 2, Int32(fragments * 16), barrier)
+
+
+@cute.jit
+def start(
+    fn: cute.Pointer,
+    staged: cute.Pointer,
+    barrier: cute.Pointer,
+    first_fragment: Int32,
+    fragments: cutlass.Constexpr[int],
+    rotation: cutlass.Constexpr[int],
+    hidden: cutlass.Constexpr[int],
+    threads: cutlass.Constexpr[int],
+) -> None:
+    """``arm`` + ``copy``: every thread of the CTA calls it (one CTA barrier)."""
+    arm(barrier, FN_CHUNKS * fragments * 16)
+    # The barrier is initialised before any copy names it.
+    cute.arch.barrier()
+    copy(fn, staged, barrier, first_fragment, fragments, rotation, hidden, threads)
 
 
 @cute.jit

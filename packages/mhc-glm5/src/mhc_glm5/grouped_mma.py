@@ -13,14 +13,20 @@ stream), a warp 4 consecutive ones (``mhc_glm5.config.mma_threads``: twice the
 other kernels' threads, so a lone cluster has more warps to hide latency). Lane
 ``l``: token ``g = l / 4`` (and ``g + 8`` with 16 tokens), ``q = l % 4``.
 
-1. Before the PDL wait (``prefetch``): asynchronous copies (``cp.async``, waited for
-   after the first poll) of every token's residual fragments and post / comb into
-   shared memory, then bulk copies of the CTA's ``fn`` columns (``mhc_glm5.fn_stage``,
-   waited for before the MMA): the post-mix's inputs arrive first. The staging is
-   ``[fragment][source][token]`` with the tokens of each block of 8 rotated by
-   ``2 (fragment + source)``: the staging, the per-lane reads of step 2 and the MMA
-   operand reads of step 3 each touch 8 distinct 16-byte bank groups per quarter-warp,
-   so none has bank conflicts.
+1. Before the PDL wait (``prefetch``; at tp = 1 with ``direct``, right after it, with x
+   read into registers and sanitised only at its use, so that nothing waits on it): bulk
+   copies (``ptx.bulk_copy``, waited for on an mbarrier after the first poll) of every
+   token's residual streams, one per token and source (the CTA's columns are contiguous
+   there), 4-byte asynchronous copies of post / comb, then the bulk copies of the CTA's
+   ``fn`` columns (``mhc_glm5.fn_stage``, waited for before the MMA): the post-mix's
+   inputs are requested first. Measured on the H200 (hidden 4096, tp 1): the residual's
+   16-byte ``cp.async`` copies took ~1.4 us to issue at 8 tokens, and a use of x right
+   after its load held the rest of the prologue until it landed; without both, a call
+   took 0.3-0.5 us less at M = 32-64 and 1.4 us less at M = 128. The staging is row ``(token, source)``, padded like
+   the staged ``fn`` rows (16 bytes mod 128): the per-lane reads of step 2 (tokens ``g``,
+   ``g + 1`` x 4 consecutive fragments per quarter-warp) and the MMA operand reads of
+   step 3 (8 rows at one fragment) each touch 8 distinct 16-byte bank groups, so none
+   has bank conflicts.
 2. Per token half, lane ``q`` owns fragment ``q`` of the warp for token ``g``: it polls
    it from every rank, before the PDL wait (``mhc_glm5.boundary``; summed in the same
    FP32 tree as the rank lanes of the other kernels: ``protocol.rank_tree_sum``),
@@ -51,13 +57,14 @@ from .boundary import (
     BoundaryConfig,
     BoundaryKernel,
     inverse_rms,
-    load_x,
+    load_x_raw,
     mixes_rstd,
     pre_mix,
     reads_x,
     write_raw_mixes,
 )
 from .config import (
+    FN_CHUNKS,
     FN_ROTATION_ROWS,
     HC,
     MIX,
@@ -65,6 +72,7 @@ from .config import (
     MMA_FRAGMENTS_PER_WARP,
     MMA_TOKENS,
     VALUES,
+    fn_chunk_words,
     mma_shared_bytes,
     mma_threads,
 )
@@ -80,12 +88,35 @@ LANE_FRAGMENTS = FRAGMENTS_PER_WARP // HC
 
 
 @cute.jit
-def staged_slot(fragment: Int32, source: Int32, token: Int32, tokens: cutlass.Constexpr[int]) -> Int32:
-    """Word offset of a staged fragment: ``[fragment][source][token]``, each block of 8 tokens
-    rotated by ``2 (fragment + source)`` (8 x 16 bytes = every bank once)."""
-    block = token // TOKENS_PER_HALF
-    rotated = (token % TOKENS_PER_HALF + 2 * (fragment + source)) % TOKENS_PER_HALF
-    return ((fragment * HC + source) * tokens + block * TOKENS_PER_HALF + rotated) * 4
+def staged_slot(fragment: Int32, source: Int32, token: Int32, fragments: cutlass.Constexpr[int]) -> Int32:
+    """Word offset of a staged fragment: row ``(token, source)`` holds the CTA's ``fragments``
+    fragments, rows ``fn_chunk_words`` apart (the 16-byte rotation of the staged ``fn`` rows)."""
+    return (token * HC + source) * fn_chunk_words(fragments, FN_ROTATION_ROWS) + fragment * 4
+
+
+@cute.jit
+def stage_streams(
+    residual: cute.Pointer,
+    staged: cute.Pointer,
+    barrier: cute.Pointer,
+    first: Int32,
+    last: Int32,
+    first_fragment: Int32,
+    fragments: cutlass.Constexpr[int],
+    tokens: cutlass.Constexpr[int],
+    hidden: cutlass.Constexpr[int],
+    threads: cutlass.Constexpr[int],
+) -> None:
+    """Start one bulk copy per (token, source): the CTA's columns of that residual stream, against
+    an armed ``barrier`` (a short last group copies its last token again)."""
+    tidx, _, _ = cute.arch.thread_idx()
+    for trip in cutlass.range_constexpr(-(-(tokens * HC) // threads)):
+        row = tidx + trip * threads
+        if row < Int32(tokens * HC):
+            token = cutlass.min(first + row // HC, last)
+            element = (Int64(token) * HC + Int64(row % HC)) * hidden + Int64(first_fragment) * VEC_BF16
+            slot = staged + staged_slot(Int32(0), row % HC, row // HC, fragments)
+            ptx.bulk_copy(slot, residual.toint() + element * 2, Int32(fragments * 16), barrier)
 
 
 class MmaGroupBoundaryKernel(BoundaryKernel):
@@ -149,7 +180,10 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
 
         smem = cutlass.memory.SmemAllocator()
         fn_staged, fn_barrier = fn_stage.allocate(smem, fragments, FN_ROTATION_ROWS)
-        staged = smem.allocate_array(Uint32, fragments * HC * tokens * 4, byte_alignment=16)
+        staged_barrier = smem.allocate_array(Int64, 1, byte_alignment=8)
+        staged = smem.allocate_array(
+            Uint32, tokens * HC * fn_chunk_words(fragments, FN_ROTATION_ROWS), byte_alignment=16
+        )
         mix_inputs = smem.allocate_array(Float32, tokens * MIX_INPUTS)
         warp_sums = smem.allocate_array(Float32, warps * tokens * VALUES)
         cluster_sums = smem.allocate_array(Float32, cluster * tokens * VALUES)
@@ -159,33 +193,27 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
 
         if (prefetch == Int32(0)) | from_x:
             cute.arch.griddepcontrol_wait()
-        # What the post-mix needs is requested first (x when read directly, then the staged
-        # inputs), fn after it (``mhc_glm5.boundary``): the SM takes them in about in that order.
+        # What the post-mix needs is requested first (the streams, x when read directly, post /
+        # comb), fn after it: the SM takes them in about that order. Both barriers are armed first.
+        fn_stage.arm(staged_barrier, tokens * HC * fragments * 16)
+        fn_stage.arm(fn_barrier, FN_CHUNKS * fragments * 16)
+        cute.arch.barrier()
+        stage_streams(residual, staged, staged_barrier, first, last, cluster_rank * fragments, fragments, tokens,
+                      hidden, threads)  # fmt: skip
         # Per token half: lane q's fragments of token g (or g + 8), every rank (x: rank 0 only).
         kept = [
             cute.make_rmem_tensor(cute.make_layout((LANE_FRAGMENTS, tp, 4), stride=(tp * 4, 4, 1)), Uint32)
             for _ in range(halves)
         ]
         if from_x:
+            # Raw words, sanitised at their use: a use here would hold the prologue until they land.
+            # Tokens past M read the last token (like the staging): their results are never stored.
             for h in cutlass.range_constexpr(halves):
-                token = first + h * TOKENS_PER_HALF + g
-                kept[h].fill(Uint32(0))
-                if token <= last:
-                    for k in cutlass.range_constexpr(LANE_FRAGMENTS):
-                        column = Int64(first_fragment + q + k * HC) * VEC_BF16
-                        kept[h][k, 0, None].store(load_x(x, token, column, hidden))
-        # Asynchronous copies (no registers, all in flight at once), waited for after the first poll.
-        # Token fastest: a warp reads a few consecutive fragments of 8-16 rows, full sectors.
-        count = tokens * HC * fragments
-        for trip in cutlass.range_constexpr(-(-count // threads)):
-            index = tidx + trip * threads
-            if index < Int32(count):
-                t = index % tokens
-                f = (index // tokens) % fragments
-                source = index // (tokens * fragments)
-                token = cutlass.min(first + t, last)
-                element = (Int64(token) * HC + Int64(source)) * hidden + Int64(cluster_rank * fragments + f) * VEC_BF16
-                ptx.copy_async_16(staged + staged_slot(f, source, t, tokens), residual.toint() + element * 2)
+                token = cutlass.min(first + h * TOKENS_PER_HALF + g, last)
+                for k in cutlass.range_constexpr(LANE_FRAGMENTS):
+                    column = Int64(first_fragment + q + k * HC) * VEC_BF16
+                    kept[h][k, 0, None].store(load_x_raw(x, token, column, hidden))
+        # post / comb: 4-byte asynchronous copies (their rows are only 4-byte aligned).
         for trip in cutlass.range_constexpr(-(-(tokens * MIX_INPUTS) // threads)):
             index = tidx + trip * threads
             if index < Int32(tokens * MIX_INPUTS):
@@ -197,9 +225,7 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
                     address = post.toint() + (row * HC + Int64(j)) * 4
                 ptx.copy_async_4(mix_inputs + index, address)
         cute.arch.cp_async_commit_group()
-        fn_stage.start(
-            fn, fn_staged, fn_barrier, cluster_rank * fragments, fragments, FN_ROTATION_ROWS, hidden, threads
-        )
+        fn_stage.copy(fn, fn_staged, fn_barrier, cluster_rank * fragments, fragments, FN_ROTATION_ROWS, hidden, threads)
         gamma_words = cute.make_rmem_tensor(cute.make_layout((LANE_FRAGMENTS, 4), stride=(4, 1)), Uint32)
         for k in cutlass.range_constexpr(LANE_FRAGMENTS):
             column = Int64(first_fragment + q + k * HC) * VEC_BF16
@@ -229,17 +255,22 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
             if cutlass.const_expr(h == halves - 1):
                 cute.arch.griddepcontrol_launch_dependents()
             if cutlass.const_expr(h == 0):
-                # The staged inputs landed (this thread's copies), and are visible to all (the barrier).
+                # post / comb landed (this thread's copies) and are visible to all (the barrier);
+                # the streams' bulk copies complete the staged barrier's phase.
                 cute.arch.cp_async_wait_group(0)
                 cute.arch.barrier()
+                fn_stage.wait(staged_barrier)
             inputs = mix_inputs + t * MIX_INPUTS
             square = Float32(0.0)
             for k in cutlass.range_constexpr(LANE_FRAGMENTS):
                 f = local + q + k * HC
+                if from_x:
+                    kept[h][k, 0, None].store(ptx.sanitize_negative_zero(kept[h][k, 0, None].load()))
                 # The all-reduced sublayer output is BF16, as the collective returns it.
                 summed = protocol.rank_tree_sum(kept[h], k, tp, HC).to(cutlass.BFloat16).to(Float32)
                 sources = [
-                    ptx.words_to_f32x8(ptx.load_shared_u32x4(staged + staged_slot(f, i, t, tokens))) for i in range(HC)
+                    ptx.words_to_f32x8(ptx.load_shared_u32x4(staged + staged_slot(f, i, t, fragments)))
+                    for i in range(HC)
                 ]
                 for j in cutlass.range_constexpr(HC):
                     mixed = summed * cute.arch.load((inputs + j).llvm_ptr, Float32)
@@ -248,7 +279,7 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
                     stream_words = ptx.f32x8_to_words(mixed)
                     square = square + ptx.dot_bf16x8(stream_words, stream_words, config.mixed_fma)
                     # This lane alone reads source j of this fragment and token.
-                    ptx.store_shared_u32x4(staged + staged_slot(f, j, t, tokens), stream_words)
+                    ptx.store_shared_u32x4(staged + staged_slot(f, j, t, fragments), stream_words)
             for step in cutlass.range_constexpr(2):
                 square = square + cute.arch.shuffle_sync_bfly(square, offset=1 << step, mask=-1, mask_and_clamp=31)
             squares[h] = square
@@ -260,10 +291,10 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         acc = cute.make_rmem_tensor(cute.make_layout((N_TILES, 4), stride=(4, 1)), Float32)
         acc.fill(Float32(0.0))
         for f in cutlass.range_constexpr(FRAGMENTS_PER_WARP):
-            low = ptx.load_shared_u32x4(staged + staged_slot(local + f, q, g, tokens))
+            low = ptx.load_shared_u32x4(staged + staged_slot(local + f, q, g, fragments))
             high = low
             if cutlass.const_expr(halves == 2):
-                high = ptx.load_shared_u32x4(staged + staged_slot(local + f, q, g + TOKENS_PER_HALF, tokens))
+                high = ptx.load_shared_u32x4(staged + staged_slot(local + f, q, g + TOKENS_PER_HALF, fragments))
             for tile in cutlass.range_constexpr(N_TILES):
                 b = fn_stage.load(fn_staged, tile * 8 + g, q, local + f, fragments, FN_ROTATION_ROWS)
                 for k in cutlass.range_constexpr(2):
@@ -324,7 +355,7 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
             square = Float32(0.0)
             for k in cutlass.range_constexpr(LANE_FRAGMENTS):
                 f = local + q + k * HC
-                streams = [ptx.load_shared_u32x4(staged + staged_slot(f, j, t, tokens)) for j in range(HC)]
+                streams = [ptx.load_shared_u32x4(staged + staged_slot(f, j, t, fragments)) for j in range(HC)]
                 if first + t <= last:
                     column = Int64(first_fragment + q + k * HC) * VEC_BF16
                     for j in cutlass.range_constexpr(HC):

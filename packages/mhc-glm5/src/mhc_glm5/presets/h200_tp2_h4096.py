@@ -50,7 +50,7 @@ GEOMETRY: dict[str, Any] = {
     "threads": 256,
     "fragment_groups_per_cta": 64,
     "shared_bytes": 116736,
-    "grouped_shared_bytes": {2: 11880, 4: 23760, 8: 154152, 16: 208328},
+    "grouped_shared_bytes": {2: 11880, 4: 23760, 8: 154672, 16: 209360},
     "publish_grid": "(M, 4, 1)",
     "publish_threads": 128,
     "mixes_grid": "(ceil(M / 128), 1, 1)",

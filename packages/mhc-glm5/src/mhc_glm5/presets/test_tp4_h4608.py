@@ -50,7 +50,7 @@ GEOMETRY: dict[str, Any] = {
     "threads": 288,
     "fragment_groups_per_cta": 72,
     "shared_bytes": 116736,
-    "grouped_shared_bytes": {2: 13112, 8: 172200},
+    "grouped_shared_bytes": {2: 13112, 8: 172720},
     "publish_grid": "(M, 5, 1)",
     "publish_threads": 128,
     "mixes_grid": "(ceil(M / 128), 1, 1)",
