@@ -22,11 +22,11 @@ other kernels' threads, so a lone cluster has more warps to hide latency). Lane
    inputs are requested first. Measured on the H200 (hidden 4096, tp 1): the residual's
    16-byte ``cp.async`` copies took ~1.4 us to issue at 8 tokens, and a use of x right
    after its load held the rest of the prologue until it landed; without both, a call
-   took 0.3-0.5 us less at M = 32-64 and 1.4 us less at M = 128. The staging is row ``(token, source)``, padded like
-   the staged ``fn`` rows (16 bytes mod 128): the per-lane reads of step 2 (tokens ``g``,
-   ``g + 1`` x 4 consecutive fragments per quarter-warp) and the MMA operand reads of
-   step 3 (8 rows at one fragment) each touch 8 distinct 16-byte bank groups, so none
-   has bank conflicts.
+   took 0.3-0.5 us less at M = 32-64 and 1.4 us less at M = 128. The staging is row
+   ``(token, source)``, padded like the staged ``fn`` rows (16 bytes mod 128): the
+   per-lane reads of step 2 (tokens ``g``, ``g + 1`` x 4 consecutive fragments per
+   quarter-warp) and the MMA operand reads of step 3 (8 rows at one fragment) each touch
+   8 distinct 16-byte bank groups, so none has bank conflicts.
 2. Per token half, lane ``q`` owns fragment ``q`` of the warp for token ``g``: it polls
    it from every rank, before the PDL wait (``mhc_glm5.boundary``; summed in the same
    FP32 tree as the rank lanes of the other kernels: ``protocol.rank_tree_sum``),
