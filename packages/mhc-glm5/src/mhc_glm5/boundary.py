@@ -270,7 +270,10 @@ class BoundaryKernel(DeviceKernel):
 
         if (prefetch == Int32(0)) | from_x:
             cute.arch.griddepcontrol_wait()
-        fn_stage.start(
+        fn_stage.arm(fn_barrier, fn_stage.slice_bytes(groups))
+        # The barrier is initialised before any copy names it.
+        cute.arch.barrier()
+        fn_stage.copy(
             fn, fn_staged, fn_barrier, cluster_rank * groups, groups, FN_ROTATION_STREAMS, hidden, config.threads
         )
         streams = cute.make_rmem_tensor(cute.make_layout((HC, 4), stride=(4, 1)), Uint32)

@@ -30,10 +30,15 @@ def allocate(smem: cutlass.memory.SmemAllocator, fragments: int, rotation: int) 
     return staged, smem.allocate_array(Int64, 1, byte_alignment=8)
 
 
+def slice_bytes(fragments: int) -> int:
+    """Bytes the copies of a CTA's slice move: what its barrier expects."""
+    return FN_CHUNKS * fragments * 16
+
+
 @cute.jit
 def arm(barrier: cute.Pointer, transaction_bytes: cutlass.Constexpr[int]) -> None:
-    """Thread 0 initialises ``barrier`` for one phase of ``transaction_bytes``; the caller's CTA
-    barrier must follow before any copy names it."""
+    """Thread 0 initialises ``barrier`` for one phase of ``transaction_bytes`` (any bulk-copy
+    staging's); a CTA barrier must follow before any copy names it."""
     tidx, _, _ = cute.arch.thread_idx()
     if tidx == 0:
         cute.arch.mbarrier_init(barrier, 1)
@@ -63,24 +68,6 @@ def copy(
             stream = chunk % HC
             element = Int64(row) * (HC * hidden) + Int64(stream) * hidden + Int64(first_fragment) * VEC_BF16
             ptx.bulk_copy(staged + chunk * stride, fn.toint() + element * 2, Int32(fragments * 16), barrier)
-
-
-@cute.jit
-def start(
-    fn: cute.Pointer,
-    staged: cute.Pointer,
-    barrier: cute.Pointer,
-    first_fragment: Int32,
-    fragments: cutlass.Constexpr[int],
-    rotation: cutlass.Constexpr[int],
-    hidden: cutlass.Constexpr[int],
-    threads: cutlass.Constexpr[int],
-) -> None:
-    """``arm`` + ``copy``: every thread of the CTA calls it (one CTA barrier)."""
-    arm(barrier, FN_CHUNKS * fragments * 16)
-    # The barrier is initialised before any copy names it.
-    cute.arch.barrier()
-    copy(fn, staged, barrier, first_fragment, fragments, rotation, hidden, threads)
 
 
 @cute.jit

@@ -64,7 +64,6 @@ from .boundary import (
     write_raw_mixes,
 )
 from .config import (
-    FN_CHUNKS,
     FN_ROTATION_ROWS,
     HC,
     MIX,
@@ -196,7 +195,7 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         # What the post-mix needs is requested first (the streams, x when read directly, post /
         # comb), fn after it: the SM takes them in about that order. Both barriers are armed first.
         fn_stage.arm(staged_barrier, tokens * HC * fragments * 16)
-        fn_stage.arm(fn_barrier, FN_CHUNKS * fragments * 16)
+        fn_stage.arm(fn_barrier, fn_stage.slice_bytes(fragments))
         cute.arch.barrier()
         stage_streams(residual, staged, staged_barrier, first, last, cluster_rank * fragments, fragments, tokens,
                       hidden, threads)  # fmt: skip
