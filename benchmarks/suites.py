@@ -244,6 +244,52 @@ def glm5_breakdown(ctx: Context, ms: list[int], hidden: int = 4096) -> list[Reco
     return records
 
 
+# ------------------------------------------------------------------ spin bound
+def spin_bound(ctx: Context, ms: list[int]) -> list[Record]:
+    """What the spin bound costs: both fused ops with the bound off and at its default, at tp 1
+    and at loopback tp 2 (both ranks' kernels on this GPU, one stream, ``run_ranks``; with the
+    bound on, tp 2 also checks every rank's M). One process, one GPU: not under torchrun."""
+    from mhc_core import LoopbackGroup, run_ranks
+    from mhc_core.spin import DEFAULT_SPIN_TIMEOUT_MS
+    from mhc_dsv41 import AllReduceMHC
+    from mhc_glm5 import AllReduceMhcBoundary
+
+    if ctx.group is not None:
+        raise ValueError("--suite spin-bound runs loopback ranks in one process: run it without torchrun")
+    records = []
+    capacity = max(ms)
+    for tp in (1, 2):
+        for bound, label in ((0, "bound off"), (DEFAULT_SPIN_TIMEOUT_MS, "bound on (default)")):
+            options = dict(max_num_tokens=capacity, device="cuda", spin_timeout_ms=bound)
+            group = LoopbackGroup(tp, "cuda") if tp > 1 else None
+            ranks = list(group) if group is not None else [None]
+            dsv = [AllReduceMHC.from_preset(f"h200-tp{tp}-h5120", group=rank, **options) for rank in ranks]
+            glm = [AllReduceMhcBoundary.from_preset(f"h200-tp{tp}-h4096", group=rank, **options) for rank in ranks]
+            for m in ms:
+                dsv_args = [
+                    (bf16(m, 5120), bf16(m, HC, 5120), torch.rand(m, HC, device="cuda") * 2,
+                     torch.softmax(torch.randn(m, HC, HC, device="cuda"), -1), torch.rand(m, HC, device="cuda"),
+                     bf16(5120), 1e-6)
+                    for _ in ranks
+                ]  # fmt: skip
+                glm_args = [(bf16(m, 4096), *glm5_inputs(m, 4096)) for _ in ranks]
+
+                def dsv_step(dsv=dsv, dsv_args=dsv_args):
+                    return run_ranks(dsv, "call", dsv_args)
+
+                def glm_step(glm=glm, glm_args=glm_args):
+                    results = run_ranks(glm, "call", glm_args)
+                    for op in glm:
+                        op.join()
+                    return results
+
+                dsv_floor = tp * (2 * m * 5120 * (1 + 2 * HC + 1)) / ctx.bandwidth
+                glm_floor = tp * glm5_bytes(m, 4096) / ctx.bandwidth
+                records.append(Record("spin-bound", tp, m, f"dsv41 {label}", ctx.time(dsv_step), dsv_floor))
+                records.append(Record("spin-bound", tp, m, f"glm5 {label}", ctx.time(glm_step), glm_floor))
+    return records
+
+
 # -------------------------------------------------------------------- baselines
 def _boundary_baselines(ctx: Context, model: str, m: int, hidden: int, x, args, floor: float) -> list[Record]:
     """The unfused boundary (eager and compiled) after the reduction an engine would use."""

@@ -44,7 +44,8 @@ def test_publish_unicast(arch: str, trigger: str) -> None:
     first_load = next(i for i, line in enumerate(lines) if "ld.global.v4.u32" in line)
     stores = [i for i, line in enumerate(lines) if "st.global.v4.u32" in line]
     assert wait < first_load, "x is read before the PDL wait"
-    assert len(stores) == 4, "one 16-byte store per rank (tp = 4)"
+    assert len(stores) == 8, "one 16-byte store per rank (tp = 4), and each rank's header entry (M)"
+    assert count(ptx, "ld.volatile.global.u32") == 2, "the stage and the error word"
     if trigger == "after_wait":
         assert launch < first_load
     else:
@@ -55,7 +56,7 @@ def test_publish_unicast(arch: str, trigger: str) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_publish_multicast(arch: str) -> None:
     ptx = compiled(publish(store="multicast"), arch)
-    assert count(ptx, "multimem.st.relaxed.sys.global.v4.bf16x2") == 1
+    assert count(ptx, "multimem.st.relaxed.sys.global.v4.bf16x2") == 2, "the fragment and the header entry"
     assert count(ptx, "st.global.v4") == 0, "the multicast publish has no unicast peer stores"
 
 
@@ -67,9 +68,9 @@ def test_finalize_publish(arch: str, weights: str, store: str) -> None:
     assert count(ptx, "griddepcontrol.wait") == 1
     assert count(ptx, "ld.global.v4.u32") == 9, "the shared row and all top_k rows, 16 bytes each"
     if store == "multicast":
-        assert count(ptx, "multimem.st") == 1 and count(ptx, "st.global.v4") == 0
+        assert count(ptx, "multimem.st") == 2 and count(ptx, "st.global.v4") == 0
     else:
-        assert count(ptx, "multimem") == 0 and count(ptx, "st.global.v4.u32") == 8
+        assert count(ptx, "multimem") == 0 and count(ptx, "st.global.v4.u32") == 16
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -36,7 +36,7 @@ def test_multicast_addressing_through_local_debug_store() -> None:
         bound = BoundKernel(
             compiled.function,
             kernel.signature(),
-            dict(stage_state=mailbox.stage_state, destinations=local, rank=rank, capacity=capacity),
+            dict(stage_state=mailbox.stage_state, destinations=local, rank=rank, capacity=capacity, token_check=1),
         )
         bound(x=xs[rank], m=m)
         torch.cuda.synchronize()
@@ -44,7 +44,11 @@ def test_multicast_addressing_through_local_debug_store() -> None:
         expected = torch.full_like(slots, -32768)
         expected[2, rank, :m] = sanitize(xs[rank]).view(torch.int16)
         assert torch.equal(slots, expected), f"rank {rank}: wrong slots written"
-        assert mailbox.stage_state.tolist() == [2, 2]
+        header = mailbox.header.view(torch.int32)
+        expected_header = torch.full_like(header, -2147450880)  # BF16 -0 pairs: empty entries
+        expected_header[2, rank] = 2 * m + 1  # this rank's M, encoded (``protocol.encode_count``)
+        assert torch.equal(header, expected_header), f"rank {rank}: wrong header entries written"
+        assert mailbox.stage_state.tolist() == [2, 2, 0, 0]
 
 
 def test_collect_without_publish_is_refused() -> None:

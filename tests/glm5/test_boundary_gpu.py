@@ -246,7 +246,7 @@ def test_join_semantics() -> None:
     outs = poisoned_outputs(4, op.hidden_size)
     torch.cuda._sleep(1)  # load the sleep kernel first
     torch.cuda.synchronize()
-    with torch.cuda.stream(op._side):
+    with torch.cuda.stream(op.side_stream):
         torch.cuda._sleep(200_000_000)  # hold the side stream ~100 ms
     op(bf16_randn(4, op.hidden_size, generator=generator), *args.values(), out=outs)
     before = outs[1].clone()

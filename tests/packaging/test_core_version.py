@@ -1,4 +1,4 @@
-"""The model packages refuse an mhc-core outside their pin (``~=0.2.0``; mhc-glm5 ``~=0.2.2``) at import."""
+"""The model packages refuse an mhc-core outside their pin (``~=0.3.0``) at import."""
 
 from __future__ import annotations
 
@@ -46,16 +46,16 @@ def import_with_core(package: str, distribution: str, version: str, tmp_path: Pa
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
 
 
-PINS = [("mhc_dsv41", "mhc-dsv41", "~=0.2.0"), ("mhc_glm5", "mhc-glm5", "~=0.2.2")]
+PINS = [("mhc_dsv41", "mhc-dsv41", "~=0.3.0"), ("mhc_glm5", "mhc-glm5", "~=0.3.0")]
 
 
 @pytest.mark.parametrize(("package", "distribution", "pin"), PINS)
 def test_import_refuses_a_newer_core(package: str, distribution: str, pin: str, tmp_path: Path) -> None:
-    result = import_with_core(package, distribution, "0.3.0", tmp_path)
+    result = import_with_core(package, distribution, "0.4.0", tmp_path)
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: "), result.stderr
-    assert f"{package} needs mhc-core {pin}, but mhc-core 0.3.0 is installed" in last
+    assert f"{package} needs mhc-core {pin}, but mhc-core 0.4.0 is installed" in last
 
 
 @pytest.mark.parametrize(("package", "distribution", "pin"), PINS)
@@ -65,16 +65,16 @@ def test_import_refuses_the_core_with_ready_flags(package: str, distribution: st
     assert f"{package} needs mhc-core {pin}, but mhc-core 0.1.2 is installed" in result.stderr
 
 
-@pytest.mark.parametrize("version", ["0.2.0", "0.2.1"])
-def test_glm5_refuses_an_older_patch_release(version: str, tmp_path: Path) -> None:
-    """0.2.0 lacks stage_before_wait; 0.2.1 has the slower seed-form Sinkhorn (0.2.2: scaling form)."""
-    result = import_with_core("mhc_glm5", "mhc-glm5", version, tmp_path)
+@pytest.mark.parametrize(("package", "distribution"), [("mhc_dsv41", "mhc-dsv41"), ("mhc_glm5", "mhc-glm5")])
+def test_import_refuses_the_core_without_error_word(package: str, distribution: str, tmp_path: Path) -> None:
+    """0.2.x kernels have no sticky error word, mailbox header or token_check (0.3.0)."""
+    result = import_with_core(package, distribution, "0.2.2", tmp_path)
     assert result.returncode != 0
-    assert f"mhc_glm5 needs mhc-core ~=0.2.2, but mhc-core {version} is installed" in result.stderr
+    assert f"{package} needs mhc-core ~=0.3.0, but mhc-core 0.2.2 is installed" in result.stderr
 
 
 @pytest.mark.parametrize(("package", "distribution"), [("mhc_dsv41", "mhc-dsv41"), ("mhc_glm5", "mhc-glm5")])
 def test_import_accepts_a_patch_release(package: str, distribution: str, tmp_path: Path) -> None:
-    result = import_with_core(package, distribution, "0.2.5", tmp_path)
+    result = import_with_core(package, distribution, "0.3.5", tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "imported"

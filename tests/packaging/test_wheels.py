@@ -16,11 +16,11 @@ DSL = "nvidia-cutlass-dsl==4.8.1"
 PACKAGES = {
     # distribution: (import name, pins its METADATA must declare)
     "mhc-core": ("mhc_core", {DSL, "torch", "numpy"}),  # numpy: mhc_core.spin uses Tensor.numpy()
-    "mhc-dsv41": ("mhc_dsv41", {"mhc-core~=0.2.0", DSL, "torch"}),
-    "mhc-glm5": ("mhc_glm5", {"mhc-core~=0.2.2", DSL, "torch"}),  # 0.2.2: the scaling-form Sinkhorn
+    "mhc-dsv41": ("mhc_dsv41", {"mhc-core~=0.3.0", DSL, "torch"}),
+    "mhc-glm5": ("mhc_glm5", {"mhc-core~=0.3.0", DSL, "torch"}),  # 0.3.0: error word, header, token_check
 }
 #: Each package's own version (its __init__); bumped when its kernels or API change.
-VERSIONS = {"mhc-core": "0.2.2", "mhc-dsv41": "0.1.1", "mhc-glm5": "0.5.1"}
+VERSIONS = {"mhc-core": "0.3.0", "mhc-dsv41": "0.2.0", "mhc-glm5": "0.6.0"}
 
 BUILD = """
 import sys

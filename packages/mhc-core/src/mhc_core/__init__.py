@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.2.2"
+__version__ = "0.3.0"
 
 _EXPORTS = {
     "LamportAllReduce": "allreduce",
@@ -24,6 +24,7 @@ _EXPORTS = {
     "Plan": "op",
     "LamportTimeoutError": "spin",
     "RouteIndexError": "spin",
+    "TokenCountError": "spin",
     "SpinGuard": "spin",
     "compile_kernel": "compiler",
     "device_arch": "compiler",

@@ -2,7 +2,8 @@
 
 Grid ``(M, ceil(fragments / (threads / lanes)))``; ``lanes`` threads per fragment
 share the ranks (see ``mhc_core.protocol``). The output is the BF16 rounding of
-the FP32 sum, bit-identical on every rank and to ``mhc_core.reference.tp_sum``.
+the FP32 sum, bit-identical on every rank and to ``mhc_core.reference.tp_sum``; NaN once
+the op is poisoned (``mhc_core.protocol``).
 """
 
 from __future__ import annotations
@@ -10,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Boolean, Float32, Int32, Int64
 
 from . import protocol, ptx
 from .compiler import DeviceKernel
-from .constants import VEC_BF16
+from .constants import STAGE_STATE_WORDS, VEC_BF16
 from .signature import Buffer, Param, Ptr, Scalar, Signature, Stream
 
 
@@ -52,7 +53,7 @@ def mailbox_params() -> Signature:
     """The persistent protocol arguments every collective takes, in this order."""
     return (
         Param("mailbox", Buffer(BFloat16, divisibility=VEC_BF16)),
-        Param("stage_state", Buffer(Int32, extent=2, align=4)),
+        Param("stage_state", Buffer(Int32, extent=STAGE_STATE_WORDS, align=4)),
         Param("capacity", Scalar(Int32)),
         Param("spin_limit_ns", Scalar(Int64)),
         Param("error_flag", Scalar(Int64)),
@@ -96,13 +97,19 @@ class CollectiveKernel(DeviceKernel):
 
         cute.arch.griddepcontrol_wait()
         stage = protocol.active_stage(stage_state)
+        leader = (token == 0) & (chunk == 0) & (tidx == 0)
+        m, _, _ = cute.arch.grid_dim()
         total = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
-        protocol.poll_and_sum(
-            total, base, stage, token, fragment, lane, active, tp, lanes, capacity, hidden, spin_limit_ns, error_flag
-        )
+        poisoned = protocol.poll_and_sum(
+            total, base, stage, token, fragment, lane, active, tp, lanes, capacity, hidden, spin_limit_ns, error_flag,
+            protocol.error_address(stage_state), tp > 1, leader & (spin_limit_ns > Int64(0)), m,
+        )  # fmt: skip
         if active & (lane == 0):
             element = Int64(token) * hidden + Int64(fragment) * VEC_BF16
             ptx.store_u32x4(out.toint() + element * 2, ptx.f32x8_to_words(total.load()))
-        protocol.advance_stage(stage_state, stage, (token == 0) & (chunk == 0) & (tidx == 0))
+        healthy = poisoned == Boolean(False)
+        protocol.advance_stage(stage_state, stage, leader & healthy)
         cute.arch.griddepcontrol_launch_dependents()
-        protocol.rearm_slots(base, stage, token, token, fragment, lane, active, 1, tp, lanes, capacity, hidden)
+        protocol.rearm_slots(
+            base, stage, token, token, fragment, lane, active & healthy, 1, tp, lanes, capacity, hidden
+        )  # fmt: skip

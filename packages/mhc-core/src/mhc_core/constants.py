@@ -6,6 +6,11 @@ LAMPORT_GENERATIONS = 3
 NEXT_STAGE = 0
 #: Index of the stage the last publish wrote (the collective reads it).
 ACTIVE_STAGE = 1
+#: Index of the op's sticky device error word: 0 until a kernel of the op fails (spin bound,
+#: unequal M), then the error code. Every kernel reads it; a set word poisons the kernel.
+ERROR_WORD = 2
+#: int32 words of the stage state: NEXT, ACTIVE, ERROR and one spare (16 bytes).
+STAGE_STATE_WORDS = 4
 
 #: BF16 elements per 16-byte fragment, the unit every kernel moves.
 VEC_BF16 = 8
@@ -29,3 +34,10 @@ ERROR_SPIN_TIMEOUT = 1
 ERROR_ROUTE_INDEX = 2
 #: A side-stream kernel gave up waiting for a row its main-stream kernel hands off.
 ERROR_HANDOFF_TIMEOUT = 3
+#: A peer published a different token count M for the same generation (debug check).
+ERROR_TOKEN_COUNT = 4
+
+#: NaN as a bf16x2 word: what a poisoned kernel sums instead of the mailbox's values.
+NAN_BF16_PAIR = 0x7FC07FC0
+#: Mailbox header: one 16-byte entry per (generation, rank) holding that rank's M (debug check).
+HEADER_ENTRY_BYTES = 16

@@ -39,8 +39,8 @@ class MailboxMemory:
     multicast: int = 0
 
 
-def _sentinel_filled(shape: Sequence[int], device: torch.device) -> torch.Tensor:
-    buffer = torch.empty(shape, dtype=torch.bfloat16, device=device)
+def _sentinel_filled(elements: int, device: torch.device) -> torch.Tensor:
+    buffer = torch.empty(elements, dtype=torch.bfloat16, device=device)
     buffer.view(torch.int16).fill_(NEGATIVE_ZERO_BF16 - 0x10000)
     return buffer
 
@@ -67,7 +67,8 @@ class RankGroup:
     tp = 1
     rank = 0
 
-    def allocate_mailbox(self, shape: Sequence[int], device: torch.device) -> MailboxMemory:
+    def allocate_mailbox(self, elements: int, device: torch.device) -> MailboxMemory:
+        """``elements`` BF16 of sentinel-filled mailbox memory on every rank (collective)."""
         raise NotImplementedError
 
     def complete_construction(self, op: LamportOp) -> None:
@@ -81,8 +82,8 @@ class RankGroup:
 class SoloGroup(RankGroup):
     """tp = 1: no process group; the mailbox is a local buffer."""
 
-    def allocate_mailbox(self, shape: Sequence[int], device: torch.device) -> MailboxMemory:
-        local = _sentinel_filled(shape, device)
+    def allocate_mailbox(self, elements: int, device: torch.device) -> MailboxMemory:
+        local = _sentinel_filled(elements, device)
         return MailboxMemory(local, [local.data_ptr()])
 
     def complete_construction(self, op: LamportOp) -> None:
@@ -101,11 +102,11 @@ class ProcessGroupRanks(RankGroup):
         self.tp = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
 
-    def allocate_mailbox(self, shape: Sequence[int], device: torch.device) -> MailboxMemory:
+    def allocate_mailbox(self, elements: int, device: torch.device) -> MailboxMemory:
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
-        local = symm_mem.empty(tuple(shape), dtype=torch.bfloat16, device=device)
+        local = symm_mem.empty((elements,), dtype=torch.bfloat16, device=device)
         handle = symm_mem.rendezvous(local, self.group)
         local.view(torch.int16).fill_(NEGATIVE_ZERO_BF16 - 0x10000)
         torch.cuda.synchronize(device)
@@ -132,10 +133,10 @@ class LoopbackRank(RankGroup):
         self._allocations = 0
         self._constructions = 0
 
-    def allocate_mailbox(self, shape: Sequence[int], device: torch.device) -> MailboxMemory:
+    def allocate_mailbox(self, elements: int, device: torch.device) -> MailboxMemory:
         index = self._allocations
         self._allocations += 1
-        return self.group._mailbox(index, self.rank, shape, device)
+        return self.group._mailbox(index, self.rank, elements, device)
 
     def complete_construction(self, op: LamportOp) -> None:
         index = self._constructions
@@ -188,17 +189,17 @@ class LoopbackGroup:
             raise ValueError(f"ops: expected {self.world_size} ops, one per rank, got {len(ops)}")
         return run_ranks(ops, method, args, kwargs)
 
-    def _mailbox(self, index: int, rank: int, shape: Sequence[int], device: torch.device) -> MailboxMemory:
+    def _mailbox(self, index: int, rank: int, elements: int, device: torch.device) -> MailboxMemory:
         if device != self.device:
             raise ValueError(f"device: expected the loopback group's device {self.device}, got {device}")
         buffers = self._mailboxes.get(index)
         if buffers is None:
-            buffers = [_sentinel_filled(shape, device) for _ in range(self.world_size)]
+            buffers = [_sentinel_filled(elements, device) for _ in range(self.world_size)]
             self._mailboxes[index] = buffers
-        elif tuple(buffers[0].shape) != tuple(shape):
+        elif buffers[0].numel() != elements:
             raise ValueError(
-                f"loopback op #{index}: rank {rank} asks for a mailbox of shape {list(shape)}, "
-                f"but rank 0's op of that instance has {list(buffers[0].shape)}: build the same op on every rank"
+                f"loopback op #{index}: rank {rank} asks for a mailbox of {elements} elements, "
+                f"but rank 0's op of that instance has {buffers[0].numel()}: build the same op on every rank"
             )
         return MailboxMemory(buffers[rank], [buffer.data_ptr() for buffer in buffers])
 

@@ -1,9 +1,10 @@
 """The Lamport mailbox of one rank: slots, stage state and where publishes go.
 
 Memory: ``3 * tp * capacity * hidden * 2`` bytes per rank (three generations of
-every rank's ``[capacity, hidden]`` BF16 contribution), plus 8 bytes of stage
-state. For a real process group it lives in torch symmetric memory; the repr
-shows the size.
+every rank's ``[capacity, hidden]`` BF16 contribution) plus a ``3 * tp * 16``-byte
+header (each rank's M per generation, for the unequal-M check), and 16 bytes of
+stage state (NEXT, ACTIVE, the sticky error word). For a real process group it
+lives in torch symmetric memory; the repr shows the size.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 
 import torch
 
-from .constants import LAMPORT_GENERATIONS
+from .constants import HEADER_ENTRY_BYTES, LAMPORT_GENERATIONS, STAGE_STATE_WORDS
 from .groups import RankGroup
 
 TRANSPORT_ENV = "MHC_TRANSPORT"
@@ -42,8 +43,14 @@ def resolve_transport(requested: str | None, group: RankGroup) -> str:
     return "local" if group.tp == 1 else "unicast"
 
 
+def mailbox_elements(tp: int, capacity: int, hidden: int) -> int:
+    """BF16 elements of one rank's mailbox: the slots, then the header."""
+    return LAMPORT_GENERATIONS * tp * (capacity * hidden + HEADER_ENTRY_BYTES // 2)
+
+
 class LamportMailbox:
-    """``[3, tp, capacity, hidden]`` BF16 slots (BF16 -0 = empty) and int32 ``[NEXT, ACTIVE]``.
+    """``[3, tp, capacity, hidden]`` BF16 slots (BF16 -0 = empty), the ``[3, tp]`` header of
+    16-byte M entries after them (same sentinel), and int32 ``[NEXT, ACTIVE, ERROR, -]``.
 
     ``destinations`` is what the publish kernel stores through: every rank's
     mailbox base (unicast, own rank included) or the multicast base.
@@ -54,10 +61,13 @@ class LamportMailbox:
         self.capacity = capacity
         self.hidden = hidden
         self.transport = transport
-        memory = group.allocate_mailbox((LAMPORT_GENERATIONS, group.tp, capacity, hidden), device)
-        self.buffer = memory.local
+        memory = group.allocate_mailbox(mailbox_elements(group.tp, capacity, hidden), device)
+        slots = LAMPORT_GENERATIONS * group.tp * capacity * hidden
+        self.memory = memory.local
+        self.buffer = memory.local[:slots].view(LAMPORT_GENERATIONS, group.tp, capacity, hidden)
+        self.header = memory.local[slots:].view(LAMPORT_GENERATIONS, group.tp, HEADER_ENTRY_BYTES // 2)
         # On the device so that CUDA-graph replays advance it.
-        self.stage_state = torch.zeros(2, dtype=torch.int32, device=device)
+        self.stage_state = torch.zeros(STAGE_STATE_WORDS, dtype=torch.int32, device=device)
         if transport == "multicast":
             if not memory.multicast or memory.multicast % 16:
                 raise RuntimeError(
@@ -71,7 +81,7 @@ class LamportMailbox:
 
     @property
     def nbytes(self) -> int:
-        return LAMPORT_GENERATIONS * self.tp * self.capacity * self.hidden * 2
+        return mailbox_elements(self.tp, self.capacity, self.hidden) * 2
 
     def __repr__(self) -> str:
         return (

@@ -10,6 +10,11 @@ kernel right before it is a publish that waited. ``__call__`` and the loopback
 driver guarantee that; ``collect(after_publish=True)`` is the caller saying so.
 Otherwise the collective waits before its first load, which orders it behind
 the previous kernel exactly as a launch without PDL would (one binary serves both).
+
+Streams: a call runs on the current stream; a call on another stream than the op's
+previous one waits for it first (``mhc_core.streams.CallOrder``), so calls of one op
+never overlap. For concurrent micro-batches build one op per stream: instances of one
+configuration share their compiled kernels (the compile cache), only the mailbox is new.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from .moe import MoEOutput
 from .publish import FinalizePublishKernel, PublishConfig, PublishKernel
 from .signature import BoundKernel
 from .spin import SpinGuard, resolve_timeout_ms
+from .streams import CallOrder
 from .validation import check_int, check_tensor, check_token_count, leading_extent
 
 WEIGHT_TORCH_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
@@ -75,7 +81,7 @@ class LamportOp:
         self.transport = resolve_transport(transport, self.group)
         self.arch = device_arch(self.device)
         self.check_routes = bool(check_routes)
-        self.spin = SpinGuard(self.tp, resolve_timeout_ms(spin_timeout_ms), self.device)
+        self.spin = SpinGuard(self.tp, resolve_timeout_ms(spin_timeout_ms), self.device, self.rank)
         store = protocol.STORE_MULTICAST if self.transport == "multicast" else protocol.STORE_UNICAST
         publish = PublishConfig(
             hidden=hidden_size, tp=self.tp, threads=publish_threads, trigger=publish_trigger, store=store
@@ -95,6 +101,7 @@ class LamportOp:
                 )
                 self._finalize_kernels[dtype] = self._compile(FinalizePublishKernel(config))
         self.mailbox: LamportMailbox | None = None
+        self._order = CallOrder(self.device)
         self._pending_m: int | None = None
         self._ready = False
         self._loopback_index = -1
@@ -109,11 +116,15 @@ class LamportOp:
         self.mailbox = LamportMailbox(
             self.group, capacity=self.capacity, hidden=self.hidden_size, device=self.device, transport=self.transport
         )
+        self._order.own(self.mailbox.stage_state, self.mailbox.destinations)
+        if self.group.kind == "none":
+            self._order.own(self.mailbox.memory)  # a loopback group owns its ranks' mailboxes
         publish_fixed = dict(
             stage_state=self.mailbox.stage_state,
             destinations=self.mailbox.destinations,
             rank=self.rank,
             capacity=self.capacity,
+            token_check=int(self.spin.checks_token_counts),
         )
         self._publish = self._bind(self._publish_kernel, publish_fixed)
         self._finalize = {
@@ -236,6 +247,7 @@ class LamportOp:
         if self._pending_m is not None:
             raise RuntimeError("publish(): a previous publish() has not been collected yet; call collect() first")
         m, launch = self._prepare_publish(x)
+        self._order.begin()
         launch()
         self._pending_m = m
 
@@ -246,7 +258,9 @@ class LamportOp:
             raise RuntimeError("collect(): no publish() is pending; the collective would wait forever")
         collect = prepare(self._pending_m)
         self._pending_m = None
-        return collect(after_publish)
+        result = collect(after_publish)
+        self._order.end()
+        return result
 
     def plan(self, method: str, *args: Any, **kwargs: Any) -> Plan:
         """Validate one ``method`` call ("call" or "finalize") without launching anything."""
@@ -256,7 +270,19 @@ class LamportOp:
         self._check_usable()
         if self._pending_m is not None:
             raise RuntimeError(f"{method}: a publish() is pending; call collect() first")
-        return planner(*args, **kwargs)
+        inner = planner(*args, **kwargs)
+        order = self._order
+
+        def publish() -> None:
+            order.begin()
+            inner.publish()
+
+        def collect(after_publish: bool) -> Any:
+            result = inner.collect(after_publish)
+            order.end()
+            return result
+
+        return Plan(inner.m, publish, collect)
 
     def _run(self, plan: Plan) -> Any:
         plan.publish()

@@ -15,6 +15,18 @@ Rank lanes: ``lanes`` consecutive threads share a fragment; lane ``l`` polls ran
 lanes are then summed by an xor butterfly. The FP32 summation tree is therefore
 fixed by (tp, lanes) alone and is the same on every rank;
 ``mhc_core.reference.tp_sum`` builds the same tree.
+
+Sticky errors: word ERROR of the stage state is 0 until a kernel of the op fails (a spin
+bound expired, or a peer published another M). Every poll round loads it beside the slots
+(no extra round trip), and a set word poisons the kernel: it stops polling, sums NaN
+instead of the slots (so every output it derives is NaN), re-arms nothing and leaves the
+stage where it is. A publish that reads it set stores nothing. The op is then unusable
+until it is rebuilt on every rank.
+
+Token counts (with the spin bound on): the first thread of a publish writes its M into
+the mailbox header entry ``[stage, rank]`` of every rank (``HEADER_ENTRY_BYTES`` each,
+after the slots; empty entries hold the BF16 -0 sentinel like the slots), and one thread
+of each collective polls every rank's entry beside its slots, compares, and re-arms them.
 """
 
 from __future__ import annotations
@@ -32,7 +44,11 @@ from .constants import (
     ERROR_SPIN_TIMEOUT,
     ERROR_STAGE,
     ERROR_TOKEN,
+    ERROR_TOKEN_COUNT,
+    ERROR_WORD,
+    HEADER_ENTRY_BYTES,
     LAMPORT_GENERATIONS,
+    NAN_BF16_PAIR,
     NEXT_STAGE,
     VEC_BF16,
 )
@@ -74,12 +90,59 @@ def state_address(stage_state: cute.Tensor, index: cutlass.Constexpr[int]) -> In
 
 
 @cute.jit
-def begin_publish(stage_state: cute.Tensor, leader: Boolean) -> Uint32:
-    """The stage this publish writes; the leader thread records it as ACTIVE."""
+def error_address(stage_state: cute.Tensor) -> Int64:
+    """The op's sticky device error word (see the module docstring)."""
+    return state_address(stage_state, ERROR_WORD)
+
+
+@cute.jit
+def is_poisoned(error_word: Int64) -> Boolean:
+    """Whether an earlier kernel of this op failed (its error word is set)."""
+    return ptx.load_volatile_u32(error_word) != Uint32(0)
+
+
+@cute.jit
+def begin_publish(stage_state: cute.Tensor, leader: Boolean) -> tuple:
+    """``(stage, poisoned)``: the stage this publish writes (the leader records it as ACTIVE)
+    and whether the op's error word is set (both loads in flight together)."""
     stage = ptx.load_volatile_u32(state_address(stage_state, NEXT_STAGE))
+    poisoned = is_poisoned(error_address(stage_state))
     if leader:
         ptx.store_u32(state_address(stage_state, ACTIVE_STAGE), stage)
-    return stage
+    return stage, poisoned
+
+
+@cute.jit
+def header_bytes(
+    stage: Uint32, rank: Int32, tp: cutlass.Constexpr[int], capacity: Int32, hidden: cutlass.Constexpr[int]
+) -> Int64:
+    """Byte offset of the header entry ``[stage, rank]``: after every generation's slots."""
+    slots_end = slot_bytes(Uint32(LAMPORT_GENERATIONS), Int32(0), Int32(0), Int32(0), tp, capacity, hidden)
+    return slots_end + (Int64(stage) * tp + Int64(rank)) * HEADER_ENTRY_BYTES
+
+
+@cute.jit
+def encode_count(m: Int32) -> Uint32:
+    """M as a header word: ``2 M + 1`` has an odd low half and, for M < 2^30, a high half
+    below 0x8000, so it never reads as the -0 sentinel."""
+    return (Uint32(m) << Uint32(1)) | Uint32(1)
+
+
+@cute.jit
+def publish_count(
+    m: Int32,
+    stage: Uint32,
+    rank: Int32,
+    destinations: cute.Tensor,
+    store: cutlass.Constexpr[str],
+    tp: cutlass.Constexpr[int],
+    capacity: Int32,
+    hidden: cutlass.Constexpr[int],
+) -> None:
+    """One thread: this rank's M into header entry ``[stage, rank]`` of every rank's mailbox."""
+    words = cute.make_rmem_tensor(cute.make_layout((4,)), Uint32)
+    words.fill(encode_count(m))
+    publish_fragment(words.load(), header_bytes(stage, rank, tp, capacity, hidden), destinations, store, tp)
 
 
 @cute.jit
@@ -183,40 +246,103 @@ def poll_slots(
     hidden: cutlass.Constexpr[int],
     spin_limit_ns: Int64,
     error_flag: Int64,
+    error_word: Int64,
     token_step: cutlass.Constexpr[int] = 1,
     fragment_step: cutlass.Constexpr[int] = 0,
-) -> None:
-    """Poll this lane's ranks for ``tokens`` slots until no -0 remains.
+    counts: cutlass.Constexpr[bool] = False,
+    counter: Boolean = False,
+    m: Int32 = 0,
+) -> Boolean:
+    """Poll this lane's ranks for ``tokens`` slots until no -0 remains; return ``poisoned``.
 
     ``kept[t, w, :]`` receives the 4 words of fragment ``fragment + t * fragment_step``
     of token ``min(first + t * token_step, last)`` from rank ``w * lanes + lane``
     (zeros where that rank does not exist or the thread is inactive): several
     tokens at one fragment (the default), or one token's consecutive fragments
-    (``token_step=0, fragment_step=1``). With ``spin_limit_ns > 0`` the loop gives up after that many
-    nanoseconds of the global timer and records the ranks still missing in the
-    host-mapped ``error_flag``: the kernel then finishes instead of hanging.
+    (``token_step=0, fragment_step=1``). Each round also loads the op's error word
+    (``error_word``): once it is set the loop stops, ``kept`` is filled with NaN and the
+    result is True. With ``spin_limit_ns > 0`` the loop gives up after that many
+    nanoseconds of the global timer, records the ranks still missing in the host-mapped
+    ``error_flag``, sets the error word and returns True: the kernel finishes instead of
+    hanging, and every later kernel of the op is poisoned.
+
+    ``counts`` (compile time) with ``counter`` set on one thread: that thread also polls every
+    rank's header entry of this stage, compares the M it holds with ``m``, reports a mismatch
+    (``ERROR_TOKEN_COUNT``: the peers' M per rank) and re-arms the entries.
     """
     waves = rank_waves(tp, lanes)
+    counter = Boolean(counter)
     kept.fill(Uint32(0))
-    dirty = active
+    dirty = active | counter
+    poisoned = Boolean(False)
     started = Int64(0)
+    seen = cute.make_rmem_tensor(cute.make_layout((tp,)), Uint32)
+    seen.fill(Uint32(0))
+    counted = counter == Boolean(False)
     while dirty:
         dirty = Boolean(False)
         for t in cutlass.range_constexpr(tokens):
             token = cutlass.min(first_token + t * token_step, last_token)
             for wave in cutlass.range_constexpr(waves):
                 source = lane + wave * lanes
-                if source < tp:
+                if active & (source < tp):
                     words = ptx.load_volatile_u32x4(
                         mailbox + slot_bytes(stage, source, token, fragment + t * fragment_step, tp, capacity, hidden)
                     )
                     dirty = dirty | ptx.has_negative_zero(words)
                     kept[t, wave, None].store(words)
+        if cutlass.const_expr(counts):  # noqa: SIM102 (a compile-time branch stands alone in the DSL)
+            if counted == Boolean(False):
+                arrived = Boolean(True)
+                for rank in cutlass.range_constexpr(tp):
+                    words = ptx.load_volatile_u32x4(mailbox + header_bytes(stage, Int32(rank), tp, capacity, hidden))
+                    arrived = arrived & (ptx.has_negative_zero(words) == Boolean(False))
+                    seen[rank] = ptx.element(words, 0)
+                counted = arrived
+                dirty = dirty | (arrived == Boolean(False))
+        poisoned = is_poisoned(error_word)
+        dirty = dirty & (poisoned == Boolean(False))
         if dirty & (spin_limit_ns > Int64(0)):
             started, expired = spin_clock(started, spin_limit_ns)
             if expired:
                 _report_timeout(kept, stage, first_token, fragment, lane, tokens, tp, lanes, error_flag)
+                ptx.store_u32(error_word, Uint32(ERROR_SPIN_TIMEOUT))
+                poisoned = Boolean(True)
                 dirty = Boolean(False)
+    if cutlass.const_expr(counts):  # noqa: SIM102 (a compile-time branch stands alone in the DSL)
+        if counter & counted & (poisoned == Boolean(False)):
+            _check_counts(seen, mailbox, stage, m, tp, capacity, hidden, error_flag, error_word)
+    if poisoned:
+        kept.fill(Uint32(NAN_BF16_PAIR))
+    return poisoned
+
+
+@cute.jit
+def _check_counts(
+    seen: cute.Tensor,
+    mailbox: Int64,
+    stage: Uint32,
+    m: Int32,
+    tp: cutlass.Constexpr[int],
+    capacity: Int32,
+    hidden: cutlass.Constexpr[int],
+    error_flag: Int64,
+    error_word: Int64,
+) -> None:
+    """Compare every rank's published M (``seen``, header words) with ``m``; re-arm the entries.
+    A mismatch records each differing rank's M in its rank word, then this M and the code."""
+    mismatch = Boolean(False)
+    for rank in cutlass.range_constexpr(tp):
+        ptx.store_sentinel_u32x4(mailbox + header_bytes(stage, Int32(rank), tp, capacity, hidden))
+        peer_m = seen[rank] >> Uint32(1)
+        if peer_m != Uint32(m):
+            ptx.store_system_u32(error_flag + Int64(ERROR_RANKS * 4) + Int64(rank * 4), peer_m)
+            mismatch = Boolean(True)
+    if mismatch:
+        ptx.store_system_u32(error_flag + Int64(ERROR_STAGE * 4), stage)
+        ptx.store_system_u32(error_flag + Int64(ERROR_TOKEN * 4), Uint32(m))
+        ptx.store_system_u32(error_flag + Int64(ERROR_CODE * 4), Uint32(ERROR_TOKEN_COUNT))
+        ptx.store_u32(error_word, Uint32(ERROR_TOKEN_COUNT))
 
 
 @cute.jit
@@ -308,19 +434,25 @@ def poll_and_sum(
     hidden: cutlass.Constexpr[int],
     spin_limit_ns: Int64,
     error_flag: Int64,
-) -> None:
+    error_word: Int64,
+    counts: cutlass.Constexpr[bool] = False,
+    counter: Boolean = False,
+    m: Int32 = 0,
+) -> Boolean:
     """One token's fragment from every rank, summed: ``total`` (8 FP32) holds the tree sum in
-    every lane of the group (``poll_slots``, then the lanes' sums, then the butterfly)."""
+    every lane of the group (``poll_slots``, then the lanes' sums, then the butterfly; NaN
+    and True returned when poisoned)."""
     waves = rank_waves(tp, lanes)
     kept = cute.make_rmem_tensor(cute.make_layout((1, waves, 4), stride=(waves * 4, 4, 1)), Uint32)
-    poll_slots(
+    poisoned = poll_slots(
         kept, mailbox, stage, token, token, fragment, lane, active, 1, tp, lanes, capacity, hidden,
-        spin_limit_ns, error_flag,
+        spin_limit_ns, error_flag, error_word, 1, 0, counts, counter, m,
     )  # fmt: skip
     # Lanes leave the poll at different times; the butterfly needs the warp converged.
     cute.arch.sync_warp()
     total.store(lane_sum(kept, 0, waves))
     sum_over_lanes(total, lanes)
+    return poisoned
 
 
 @cute.jit

@@ -18,7 +18,7 @@ from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm, vector
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .constants import MAGNITUDE_BF16_PAIR, NEGATIVE_ZERO_BF16_PAIR, NEGATIVE_ZERO_F32, VEC_BF16
+from .constants import MAGNITUDE_BF16_PAIR, NAN_BF16_PAIR, NEGATIVE_ZERO_BF16_PAIR, NEGATIVE_ZERO_F32, VEC_BF16
 
 #: Bit 15 of both halves: the BF16 sign bits of a bf16x2 word.
 SIGN_BF16_PAIR = 0x80008000
@@ -220,6 +220,12 @@ def has_negative_zero(words: cute.TensorSSA) -> Boolean:
 def sanitize_negative_zero(words: cute.TensorSSA) -> cute.TensorSSA:
     """Turn every BF16 -0 half into +0 and leave all other bit patterns unchanged."""
     return _sanitize(words, SIGN_BF16_PAIR, MAGNITUDE_BF16_PAIR)
+
+
+@cute.jit
+def nan_u32x4() -> cute.TensorSSA:
+    """4 words of BF16 NaNs: what a poisoned kernel uses in place of a fragment."""
+    return _splat_u32x4(NAN_BF16_PAIR)
 
 
 # --------------------------------------------------------------- FP32 bit tricks

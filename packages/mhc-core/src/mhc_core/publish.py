@@ -22,7 +22,7 @@ from cutlass import BFloat16, Boolean, Float32, Int32, Int64, Uint16, Uint32
 
 from . import protocol, ptx
 from .compiler import DeviceKernel
-from .constants import ERROR_CODE, ERROR_DETAIL, ERROR_ROUTE_INDEX, ERROR_TOKEN, VEC_BF16
+from .constants import ERROR_CODE, ERROR_DETAIL, ERROR_ROUTE_INDEX, ERROR_TOKEN, STAGE_STATE_WORDS, VEC_BF16
 from .signature import Buffer, Param, Ptr, Scalar, Signature, Stream
 
 TRIGGER_AFTER_WAIT = "after_wait"
@@ -75,10 +75,11 @@ class PublishConfig:
 
 def _common_params(config: PublishConfig) -> Signature:
     return (
-        Param("stage_state", Buffer(Int32, extent=2, align=4)),
+        Param("stage_state", Buffer(Int32, extent=STAGE_STATE_WORDS, align=4)),
         Param("destinations", Buffer(Int64, extent=config.destinations, align=8)),
         Param("rank", Scalar(Int32)),
         Param("capacity", Scalar(Int32)),
+        Param("token_check", Scalar(Int32)),
         Param("m", Scalar(Int32)),
     )
 
@@ -87,33 +88,43 @@ class _PublishBase(DeviceKernel):
     config: PublishConfig
 
     @cute.jit
-    def _begin(self, stage_state: cute.Tensor, destinations: cute.Tensor) -> tuple:
-        """Load the destination table, wait for the producer, maybe release the
-        dependent, read the stage."""
+    def _begin(
+        self, stage_state: cute.Tensor, destinations: cute.Tensor, rank: Int32, capacity: Int32, token_check: Int32
+    ) -> tuple:
+        """Load the destination table, wait for the producer, maybe release the dependent,
+        read the stage and the error word; the first thread publishes M (``token_check``)."""
+        config = self.config
         tidx, _, _ = cute.arch.thread_idx()
         token, chunk, _ = cute.arch.block_idx()
-        fragment = chunk * self.config.threads + tidx
-        bases = protocol.load_destinations(destinations, self.config.destinations)
+        fragment = chunk * config.threads + tidx
+        bases = protocol.load_destinations(destinations, config.destinations)
         cute.arch.griddepcontrol_wait()
-        if cutlass.const_expr(self.config.trigger == TRIGGER_AFTER_WAIT):
+        if cutlass.const_expr(config.trigger == TRIGGER_AFTER_WAIT):
             cute.arch.griddepcontrol_launch_dependents()
-        stage = protocol.begin_publish(stage_state, (token == 0) & (chunk == 0) & (tidx == 0))
-        return token, fragment, stage, bases
+        leader = (token == 0) & (chunk == 0) & (tidx == 0)
+        stage, poisoned = protocol.begin_publish(stage_state, leader)
+        if cutlass.const_expr(config.tp > 1):  # noqa: SIM102 (a compile-time branch stands alone in the DSL)
+            if leader & (token_check != Int32(0)) & (poisoned == Boolean(False)):
+                m, _, _ = cute.arch.grid_dim()
+                protocol.publish_count(m, stage, rank, bases, config.store, config.tp, capacity, config.hidden)
+        return token, fragment, stage, poisoned, bases
 
     @cute.jit
     def _finish(
         self,
         values: cute.TensorSSA,
         stage: Uint32,
+        poisoned: Boolean,
         token: Int32,
         fragment: Int32,
         bases: cute.Tensor,
         rank: Int32,
         capacity: Int32,
     ) -> None:
-        """Round to BF16, sanitise -0, publish; release the dependent if it waits for stores."""
+        """Round to BF16, sanitise -0, publish (nothing once the op is poisoned); release the
+        dependent if it waits for stores."""
         config = self.config
-        if fragment < config.fragments:
+        if (fragment < config.fragments) & (poisoned == Boolean(False)):
             words = ptx.sanitize_negative_zero(ptx.f32x8_to_words(values))
             offset = protocol.slot_bytes(stage, rank, token, fragment, config.tp, capacity, config.hidden)
             protocol.publish_fragment(words, offset, bases, config.store, config.tp)
@@ -139,22 +150,28 @@ class PublishKernel(_PublishBase):
         return (Param("x", Ptr(BFloat16)), *_common_params(self.config), Param("stream", Stream()))
 
     @cute.jit
-    def __call__(self, x, stage_state, destinations, rank, capacity, m, stream):
-        self.kernel(x, stage_state, destinations, rank, capacity).launch(
+    def __call__(self, x, stage_state, destinations, rank, capacity, token_check, m, stream):
+        self.kernel(x, stage_state, destinations, rank, capacity, token_check).launch(
             grid=self._grid(m), block=(self.config.threads, 1, 1), stream=stream, use_pdl=True
         )
 
     @cute.kernel
     def kernel(
-        self, x: cute.Pointer, stage_state: cute.Tensor, destinations: cute.Tensor, rank: Int32, capacity: Int32
+        self,
+        x: cute.Pointer,
+        stage_state: cute.Tensor,
+        destinations: cute.Tensor,
+        rank: Int32,
+        capacity: Int32,
+        token_check: Int32,
     ):
-        token, fragment, stage, bases = self._begin(stage_state, destinations)
+        token, fragment, stage, poisoned, bases = self._begin(stage_state, destinations, rank, capacity, token_check)
         values = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
         values.fill(Float32(0.0))
         if fragment < self.config.fragments:
             element = Int64(token) * self.config.hidden + Int64(fragment) * VEC_BF16
             values.store(ptx.words_to_f32x8(ptx.load_u32x4(x.toint() + element * 2)))
-        self._finish(values.load(), stage, token, fragment, bases, rank, capacity)
+        self._finish(values.load(), stage, poisoned, token, fragment, bases, rank, capacity)
 
 
 class FinalizePublishKernel(_PublishBase):
@@ -167,9 +184,10 @@ class FinalizePublishKernel(_PublishBase):
     independent loads per thread).
 
     Index contract: every index is -1 or a row of ``gemm2`` (``< rows``). It cannot
-    be checked on the host without a sync. With ``check_routes`` set (the ops'
-    debug mode) an index outside that range is skipped and reported through the
-    error flag (token, route); without it the kernel trusts the contract.
+    be checked on the host without a sync, so any index outside ``[0, rows)`` is
+    skipped like -1 (one compare beside a 16-byte gather). With ``check_routes`` set
+    (the ops' debug mode) an index outside ``[-1, rows)`` is also reported through
+    the error flag (token, route).
     """
 
     name = "finalize"
@@ -214,11 +232,23 @@ class FinalizePublishKernel(_PublishBase):
         destinations,
         rank,
         capacity,
+        token_check,
         m,
         stream,
     ):
         self.kernel(
-            gemm2, weights, index, shared, rows, check_routes, error_flag, stage_state, destinations, rank, capacity
+            gemm2,
+            weights,
+            index,
+            shared,
+            rows,
+            check_routes,
+            error_flag,
+            stage_state,
+            destinations,
+            rank,
+            capacity,
+            token_check,
         ).launch(grid=self._grid(m), block=(self.config.threads, 1, 1), stream=stream, use_pdl=True)
 
     @cute.kernel
@@ -235,10 +265,11 @@ class FinalizePublishKernel(_PublishBase):
         destinations: cute.Tensor,
         rank: Int32,
         capacity: Int32,
+        token_check: Int32,
     ):
         config = self.config
         top_k = config.top_k
-        token, fragment, stage, bases = self._begin(stage_state, destinations)
+        token, fragment, stage, poisoned, bases = self._begin(stage_state, destinations, rank, capacity, token_check)
         values = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
         values.fill(Float32(0.0))
         if fragment < config.fragments:
@@ -256,15 +287,13 @@ class FinalizePublishKernel(_PublishBase):
                 row = cute.arch.load((index + route).llvm_ptr, Int32)
                 route_rows[k] = row
                 route_weights[k] = self._load_weight(weights, route)
-                valid = row >= Int32(0)
-                if check_routes != Int32(0):
-                    out_of_range = (row < Int32(-1)) | (row >= rows)
-                    if out_of_range:
-                        ptx.store_system_u32(error_flag + Int64(ERROR_TOKEN * 4), Uint32(token))
-                        ptx.store_system_u32(error_flag + Int64(ERROR_DETAIL * 4), Uint32(k))
-                        ptx.store_system_u32(error_flag + Int64(ERROR_CODE * 4), Uint32(ERROR_ROUTE_INDEX))
-                    valid = valid & (row < rows)
-                taken[k] = valid
+                # An index outside [0, rows) is always a dropped route (a sentinel other than -1,
+                # or a bug upstream): never a gather past gemm2.
+                taken[k] = (row >= Int32(0)) & (row < rows)
+                if (check_routes != Int32(0)) & ((row < Int32(-1)) | (row >= rows)):
+                    ptx.store_system_u32(error_flag + Int64(ERROR_TOKEN * 4), Uint32(token))
+                    ptx.store_system_u32(error_flag + Int64(ERROR_DETAIL * 4), Uint32(k))
+                    ptx.store_system_u32(error_flag + Int64(ERROR_CODE * 4), Uint32(ERROR_ROUTE_INDEX))
             for k in cutlass.range_constexpr(top_k):
                 if taken[k]:
                     element = Int64(route_rows[k]) * config.hidden + column
@@ -272,4 +301,4 @@ class FinalizePublishKernel(_PublishBase):
             for k in cutlass.range_constexpr(top_k):
                 if taken[k]:
                     values.store(values.load() + ptx.words_to_f32x8(gathered[k, None].load()) * route_weights[k])
-        self._finish(values.load(), stage, token, fragment, bases, rank, capacity)
+        self._finish(values.load(), stage, poisoned, token, fragment, bases, rank, capacity)

@@ -1,17 +1,31 @@
-"""Bounded spins: a device-side time limit on every poll, reported through host-mapped memory.
+"""Bounded spins: a device-side time limit on every poll, a sticky device error word, and
+a host-mapped report the op raises from.
 
 The host cannot watch a spinning kernel (it may itself be blocked inside a launch),
 so the bound lives in the kernel: every poll loop gives up after ``limit_ns`` of
 the global timer, records the generation, token and the ranks whose slots still
-hold -0 in a pinned host buffer (readable without a device sync), and exits. The
-op raises at its next call or on ``check()``; the mailbox is then inconsistent
-(some slots were never consumed), so the op refuses every later call until it is
-rebuilt.
+hold -0 in a pinned host buffer (readable without a device sync), sets the op's
+device error word (``mhc_core.protocol``) and exits. From then on every kernel of
+the op, eager, already queued or replayed from a CUDA graph, reads that word,
+consumes no slot and writes NaN: nothing later is silently wrong. ``check()`` and
+every later call raise ``LamportTimeoutError`` naming the missing ranks; the mailbox
+is inconsistent (some slots were never consumed), so recovery is rebuilding the op
+on every rank (collectively).
+
+With the bound on, every collective also compares the M each rank published for its
+generation (``TokenCountError``, a ``ValueError``, on a mismatch).
 
 The same bound covers a side-stream kernel's wait for a handed-off row
-(``mhc_core.handoff``, ``ERROR_HANDOFF_TIMEOUT``). It is off by default (a limit of 0
-costs one predicated compare per poll round); ``spin_timeout_ms=`` or
-``MHC_SPIN_TIMEOUT_MS`` turns it on. The project's own tests run with it on.
+(``mhc_core.handoff``, ``ERROR_HANDOFF_TIMEOUT``), with room for the producer's own
+wait: ``2 * limit + HANDOFF_SLACK_MS``.
+
+Default: on, at ``DEFAULT_SPIN_TIMEOUT_MS`` (10 minutes, the default timeout of a NCCL
+process group): a dead or desynchronised peer turns into an error instead of a GPU
+that spins forever, and no legitimately slow peer (another rank compiling, a long
+prefill) gets near it. A bound costs one timer read per empty poll round (measured:
+BENCHMARKS.md). ``spin_timeout_ms=0`` or ``MHC_SPIN_TIMEOUT_MS=0`` turns it off;
+``spin_timeout_ms=`` or ``MHC_SPIN_TIMEOUT_MS`` sets another. Every rank must use
+the same setting (the M check writes and reads a header only when it is on).
 """
 
 from __future__ import annotations
@@ -30,9 +44,14 @@ from .constants import (
     ERROR_SPIN_TIMEOUT,
     ERROR_STAGE,
     ERROR_TOKEN,
+    ERROR_TOKEN_COUNT,
 )
 
 SPIN_TIMEOUT_ENV = "MHC_SPIN_TIMEOUT_MS"
+#: The bound an op gets when neither ``spin_timeout_ms`` nor ``MHC_SPIN_TIMEOUT_MS`` says otherwise.
+DEFAULT_SPIN_TIMEOUT_MS = 600_000.0
+#: What a side-stream hand-off wait gets beyond twice the collective's bound (its compute, launch gaps).
+HANDOFF_SLACK_MS = 500.0
 
 
 class LamportTimeoutError(RuntimeError):
@@ -45,16 +64,27 @@ class LamportTimeoutError(RuntimeError):
         self.missing_ranks = missing_ranks
 
 
+class TokenCountError(ValueError):
+    """Ranks published different token counts M for one call (every rank must pass the same M)."""
+
+    def __init__(self, message: str, *, m: int, peer_m: dict[int, int]) -> None:
+        super().__init__(message)
+        self.m = m
+        self.peer_m = peer_m
+        self.ranks = tuple(peer_m)
+
+
 class RouteIndexError(ValueError):
-    """The finalize publish met a route index outside [-1, rows) (debug mode)."""
+    """The finalize publish met a route index outside [-1, rows) (debug mode; the route was dropped)."""
 
 
 def resolve_timeout_ms(spin_timeout_ms: float | None) -> float | None:
-    """The explicit argument, else ``MHC_SPIN_TIMEOUT_MS``, else off; 0 means off (None)."""
+    """The explicit argument, else ``MHC_SPIN_TIMEOUT_MS``, else ``DEFAULT_SPIN_TIMEOUT_MS``;
+    0 means off (None)."""
     if spin_timeout_ms is None:
         raw = os.environ.get(SPIN_TIMEOUT_ENV, "").strip()
         if not raw:
-            return None
+            return DEFAULT_SPIN_TIMEOUT_MS
         try:
             spin_timeout_ms = float(raw)
         except ValueError:
@@ -67,12 +97,18 @@ def resolve_timeout_ms(spin_timeout_ms: float | None) -> float | None:
 
 
 class SpinGuard:
-    """The pinned error flag of one op: ``[code, stage, token, detail, missing rank 0 .. tp-1]``."""
+    """The pinned error report of one op: ``[code, stage, token, detail, rank 0 .. tp-1]``
+    (the kernels' sticky device word lives in the op's stage state)."""
 
-    def __init__(self, tp: int, timeout_ms: float | None, device: torch.device) -> None:
+    def __init__(self, tp: int, timeout_ms: float | None, device: torch.device, rank: int = 0) -> None:
         self.tp = tp
+        self.rank = rank
         self.timeout_ms = timeout_ms
         self.limit_ns = int(timeout_ms * 1e6) if timeout_ms else 0
+        #: The side-stream hand-off bound: the producer's own wait, twice, and slack.
+        self.handoff_limit_ns = 2 * self.limit_ns + int(HANDOFF_SLACK_MS * 1e6) if self.limit_ns else 0
+        #: Whether publishes write, and collectives compare, every rank's M (the bound is on).
+        self.checks_token_counts = bool(self.limit_ns) and tp > 1
         # Pinned host memory is mapped into the device's address space under UVA:
         # the kernels store into it at its host address.
         self.flag = torch.zeros(ERROR_RANKS + tp, dtype=torch.int32, pin_memory=True)
@@ -82,44 +118,59 @@ class SpinGuard:
         self.failure: Exception | None = None
 
     def check(self) -> None:
-        """Raise what a kernel reported; after a timeout, raise on every later call too."""
+        """Raise what a kernel reported; after a failure, raise it again on every later call."""
         if self.failure is not None:
-            raise RuntimeError(
-                f"this op's Lamport mailbox is inconsistent after an earlier failure ({self.failure}); "
-                "rebuild the op before calling it again"
-            ) from self.failure
+            # The same class and attributes (missing_ranks, peer_m ...), without calling __init__.
+            again = type(self.failure).__new__(type(self.failure))
+            again.__dict__.update(self.failure.__dict__)
+            again.args = (f"{self.failure.args[0]} (reported earlier)",)
+            raise again from self.failure
         code = int(self._words[ERROR_CODE])
         if code == ERROR_NONE:
             return
-        # The reporting kernel has finished waiting; let it finish writing the flag.
-        torch.cuda.synchronize(self.device)
+        if not torch.cuda.is_current_stream_capturing():
+            # The reporting kernel has finished waiting; let it finish writing the report.
+            torch.cuda.synchronize(self.device)
         words = [int(w) for w in self._words]
         self._words[:] = 0
+        error = self._decode(code, words)
+        if not isinstance(error, RouteIndexError):
+            self.failure = error
+        raise error
+
+    def _decode(self, code: int, words: list[int]) -> Exception:
+        rebuild = "the op is unusable: rebuild it on every rank"
         if code == ERROR_SPIN_TIMEOUT:
             missing = tuple(rank for rank in range(self.tp) if words[ERROR_RANKS + rank])
-            error = LamportTimeoutError(
-                f"Lamport collective timed out after {self.timeout_ms} ms waiting for generation (stage) "
-                f"{words[ERROR_STAGE]}, token {words[ERROR_TOKEN]}: ranks {list(missing)} never published",
+            return LamportTimeoutError(
+                f"rank {self.rank}: Lamport collective timed out after {self.timeout_ms} ms waiting for generation "
+                f"(stage) {words[ERROR_STAGE]}, token {words[ERROR_TOKEN]}: ranks {list(missing)} never published; "
+                f"{rebuild}",
                 stage=words[ERROR_STAGE],
                 token=words[ERROR_TOKEN],
                 missing_ranks=missing,
             )
-            self.failure = error
-            raise error
         if code == ERROR_HANDOFF_TIMEOUT:
-            error = LamportTimeoutError(
-                f"the side-stream kernel timed out after {self.timeout_ms} ms waiting for token "
-                f"{words[ERROR_TOKEN]}'s hand-off row (the main-stream kernel never wrote it)",
+            return LamportTimeoutError(
+                f"rank {self.rank}: the side-stream kernel timed out after {self.handoff_limit_ns / 1e6} ms waiting "
+                f"for token {words[ERROR_TOKEN]}'s hand-off row (the main-stream kernel never wrote it); {rebuild}",
                 stage=-1,
                 token=words[ERROR_TOKEN],
                 missing_ranks=(),
             )
-            self.failure = error
-            raise error
-        if code == ERROR_ROUTE_INDEX:
-            raise RouteIndexError(
-                f"expanded_idx_to_permuted_idx: token {words[ERROR_TOKEN]}, route {words[ERROR_DETAIL]} "
-                "held an index outside [-1, rows); that route was skipped"
+        if code == ERROR_TOKEN_COUNT:
+            m = words[ERROR_TOKEN]
+            peers = {rank: words[ERROR_RANKS + rank] for rank in range(self.tp) if words[ERROR_RANKS + rank]}
+            described = ", ".join(f"rank {rank} M = {peer}" for rank, peer in peers.items())
+            return TokenCountError(
+                f"rank {self.rank}: this call has M = {m} but {described} for the same call (generation "
+                f"{words[ERROR_STAGE]}): every rank must pass the same M; {rebuild}",
+                m=m,
+                peer_m=peers,
             )
-        self.failure = RuntimeError(f"unknown device error code {code}")
-        raise self.failure
+        if code == ERROR_ROUTE_INDEX:
+            return RouteIndexError(
+                f"expanded_idx_to_permuted_idx: token {words[ERROR_TOKEN]}, route {words[ERROR_DETAIL]} "
+                "held an index outside [-1, rows); that route was dropped"
+            )
+        return RuntimeError(f"unknown device error code {code}; {rebuild}")

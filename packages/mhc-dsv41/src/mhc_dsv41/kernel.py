@@ -12,7 +12,9 @@ fragment, with ``x`` the all-reduced sublayer output rounded to BF16:
 
 Residual streams, weight and mixes are loaded before the PDL wait when the op
 says the kernel right before is a publish (``prefetch``); the slots are re-armed
-after reading and the next stage is set once per launch.
+after reading and the next stage is set once per launch. Once the op is poisoned
+(``mhc_core.protocol``: an earlier kernel failed) the sums are NaN, so both outputs
+are, and nothing is re-armed or moved on.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64, Uint32
+from cutlass import BFloat16, Boolean, Float32, Int32, Int64, Uint32
 
 from mhc_core import protocol, ptx, reduce
 from mhc_core.collective import mailbox_params
@@ -171,15 +173,21 @@ class LamportMHCKernel(DeviceKernel):
 
         cute.arch.griddepcontrol_wait()
         stage = protocol.active_stage(stage_state)
+        first_thread = (token == 0) & (cluster_rank == 0) & (tidx == 0)
+        m, _, _ = cute.arch.grid_dim()
+        error_word = protocol.error_address(stage_state)
+        poisoned = Boolean(False)
         prenorm_words = cute.make_rmem_tensor(cute.make_layout((trips, 4), stride=(4, 1)), Uint32)
         prenorm_words.fill(Uint32(0))
         total = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
         for trip in cutlass.range_constexpr(trips):
             fragment = base_fragment + trip * config.fragment_stride
             active = fragment < config.fragments
-            protocol.poll_and_sum(
+            # The grid's first thread also checks every rank's M (trip 0, spin bound on; ``mhc_core.protocol``).
+            poisoned = poisoned | protocol.poll_and_sum(
                 total, mailbox_base, stage, token, fragment, lane, active, tp, lanes, capacity, hidden,
-                spin_limit_ns, error_flag,
+                spin_limit_ns, error_flag, error_word, tp > 1 and trip == 0, first_thread & (spin_limit_ns > Int64(0)),
+                m,
             )  # fmt: skip
             if active & leader:
                 # The all-reduced sublayer output is BF16, as the unfused collective returns it.
@@ -200,13 +208,15 @@ class LamportMHCKernel(DeviceKernel):
                     collapse.store(collapse.load() + ptx.words_to_f32x8(mixed_words) * pre_mix[target])
                 prenorm_words[trip, None].store(ptx.f32x8_to_words(collapse.load()))
 
-        protocol.advance_stage(stage_state, stage, (token == 0) & (cluster_rank == 0) & (tidx == 0))
+        # Poisoned: nothing consumed (no re-arm, the stage stays); the outputs carry the NaN.
+        healthy = poisoned == Boolean(False)
+        protocol.advance_stage(stage_state, stage, first_thread & healthy)
         cute.arch.griddepcontrol_launch_dependents()
         for trip in cutlass.range_constexpr(trips):
             fragment = base_fragment + trip * config.fragment_stride
             protocol.rearm_slots(
-                mailbox_base, stage, token, token, fragment, lane, fragment < config.fragments, 1, tp, lanes,
-                capacity, hidden,
+                mailbox_base, stage, token, token, fragment, lane, (fragment < config.fragments) & healthy, 1, tp,
+                lanes, capacity, hidden,
             )  # fmt: skip
 
         squares = cute.make_rmem_tensor(cute.make_layout((1,)), Float32)

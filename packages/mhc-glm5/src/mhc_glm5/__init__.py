@@ -13,9 +13,9 @@ from typing import Any
 
 from mhc_core.compat import check_core_version
 
-__version__ = "0.5.1"
+__version__ = "0.6.0"
 #: The mhc-core releases this package works with (compatible-release pin).
-CORE_REQUIREMENT = "~=0.2.2"
+CORE_REQUIREMENT = "~=0.3.0"
 
 check_core_version(CORE_REQUIREMENT, __name__)
 

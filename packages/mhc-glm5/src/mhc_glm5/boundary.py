@@ -27,6 +27,10 @@ At tp = 1 a launch with ``direct`` set reads ``x`` (the sublayer output) instead
 publish ran, so nothing is polled, re-armed or moved on (the op's plain calls; the grouped
 kernels do the same).
 
+Once the op is poisoned (``mhc_core.protocol``: an earlier kernel failed; a direct read checks
+the error word itself) the reduced x is NaN, so every output is, the raw mixes handed off too
+(the mixes kernel is never left waiting), and nothing is re-armed or moved on.
+
 The CTA's ``fn`` slice is staged in shared memory by bulk copies (``mhc_glm5.fn_stage``),
 and the residual streams, the weight, post and comb are loaded, before the PDL wait
 when the kernel right before is the publish (``prefetch``).
@@ -154,6 +158,16 @@ def load_x(x: cute.Pointer, token: Int32, column: Int64, hidden: cutlass.Constex
     """A fragment of ``x[token]`` with -0 as +0: the words a publish would have written, so the
     boundary's result is bit-identical to the mailbox path's (whose tree adds them to +0)."""
     return ptx.sanitize_negative_zero(load_x_raw(x, token, column, hidden))
+
+
+@cute.jit
+def poison_direct(reduced: cute.Tensor, error_word: Int64) -> Boolean:
+    """A direct read's poison check (the mailbox path's is in its poll): once the op's error
+    word is set, the sublayer output reads as NaN, so every output derived from it is NaN."""
+    poisoned = protocol.is_poisoned(error_word)
+    if poisoned:
+        reduced.fill(Float32(float("nan")))
+    return poisoned
 
 
 @cute.jit
@@ -289,18 +303,25 @@ class BoundaryKernel(DeviceKernel):
         # Polled before the PDL wait (Lamport slots need no ordering); the wait comes before the
         # first output store, as an output may alias what the publish reads.
         stage = protocol.stage_before_wait(stage_state)
+        error_word = protocol.error_address(stage_state)
         polled = Boolean(True)
+        poisoned = Boolean(False)
         reduced = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
         if from_x:
             reduced.store(ptx.words_to_f32x8(load_x(x, token, column, hidden)))
             polled = Boolean(False)
+            poisoned = poison_direct(reduced, error_word)
         else:
             mailbox_base = mailbox.iterator.toint()
-            protocol.poll_and_sum(
+            counter = (token == 0) & (cluster_rank == 0) & (tidx == 0) & (spin_limit_ns > Int64(0))
+            poisoned = protocol.poll_and_sum(
                 reduced, mailbox_base, stage, token, fragment, lane, True, tp, HC, capacity, hidden,
-                spin_limit_ns, error_flag,
+                spin_limit_ns, error_flag, error_word, tp > 1, counter, m,
             )  # fmt: skip
-            protocol.rearm_slots(mailbox_base, stage, token, token, fragment, lane, True, 1, tp, HC, capacity, hidden)
+            protocol.rearm_slots(
+                mailbox_base, stage, token, token, fragment, lane, poisoned == Boolean(False), 1, tp, HC, capacity,
+                hidden,
+            )  # fmt: skip
         cute.arch.griddepcontrol_launch_dependents()
 
         # The all-reduced sublayer output is BF16, as the collective returns it.
@@ -350,4 +371,5 @@ class BoundaryKernel(DeviceKernel):
             prenorm = ptx.words_to_f32x8(prenorm_words)
             result = prenorm * inv_rms * ptx.words_to_f32x8(gamma_words)
             ptx.store_u32x4(layer_input.toint() + (Int64(token) * hidden + column) * 2, ptx.f32x8_to_words(result))
-        protocol.advance_stage_after_all(stage_state, arrivals, stage, m, (cluster_rank == 0) & (tidx == 0) & polled)
+        leader = (cluster_rank == 0) & (tidx == 0) & polled & (poisoned == Boolean(False))
+        protocol.advance_stage_after_all(stage_state, arrivals, stage, m, leader)

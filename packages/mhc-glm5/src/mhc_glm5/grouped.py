@@ -26,7 +26,7 @@ import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, Int64, Uint32
 
 from mhc_core import protocol, ptx, reduce
-from mhc_core.constants import VEC_BF16, WARP_SIZE
+from mhc_core.constants import NAN_BF16_PAIR, VEC_BF16, WARP_SIZE
 
 from .boundary import (
     BoundaryConfig,
@@ -139,14 +139,20 @@ class GroupBoundaryKernel(BoundaryKernel):
 
         # Polled before the PDL wait; the wait comes before the first output store (``boundary``).
         stage = protocol.stage_before_wait(stage_state)
+        error_word = protocol.error_address(stage_state)
         polled = Boolean(True)
+        poisoned = Boolean(False)
         if from_x:
             polled = Boolean(False)
+            if protocol.is_poisoned(error_word):
+                kept.fill(Uint32(NAN_BF16_PAIR))
+                poisoned = Boolean(True)
         else:
             mailbox_base = mailbox.iterator.toint()
-            protocol.poll_slots(
+            counter = (group == 0) & (cluster_rank == 0) & (tidx == 0) & (spin_limit_ns > Int64(0))
+            poisoned = protocol.poll_slots(
                 kept, mailbox_base, stage, first, last, fragment, lane, True, tokens, tp, HC, capacity, hidden,
-                spin_limit_ns, error_flag,
+                spin_limit_ns, error_flag, error_word, 1, 0, tp > 1, counter, m,
             )  # fmt: skip
             # Lanes leave the poll at different times; the shuffles below need the warp converged.
             cute.arch.sync_warp()
@@ -157,7 +163,8 @@ class GroupBoundaryKernel(BoundaryKernel):
                 # The all-reduced sublayer output is BF16, as the collective returns it.
                 kept[t, 0, None].store(ptx.f32x8_to_words(reduced.load()))
             protocol.rearm_slots(
-                mailbox_base, stage, first, last, fragment, lane, True, tokens, tp, HC, capacity, hidden
+                mailbox_base, stage, first, last, fragment, lane, poisoned == Boolean(False), tokens, tp, HC,
+                capacity, hidden,
             )  # fmt: skip
         cute.arch.griddepcontrol_launch_dependents()
 
@@ -243,5 +250,5 @@ class GroupBoundaryKernel(BoundaryKernel):
                 result = ptx.words_to_f32x8(kept[t, 0, None].load()) * inv_rms * weight
                 ptx.store_u32x4(layer_input.toint() + (Int64(token) * hidden + column) * 2, ptx.f32x8_to_words(result))
         clusters = (m + tokens - 1) // tokens
-        leader = (cluster_rank == 0) & (tidx == 0) & polled
+        leader = (cluster_rank == 0) & (tidx == 0) & polled & (poisoned == Boolean(False))
         protocol.advance_stage_after_all(stage_state, arrivals, stage, clusters, leader)

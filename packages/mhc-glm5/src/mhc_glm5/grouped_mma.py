@@ -233,7 +233,13 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         # Polled before the PDL wait; the wait comes before the first output store (``boundary``).
         stage = protocol.stage_before_wait(stage_state)
         mailbox_base = mailbox.iterator.toint()
+        error_word = protocol.error_address(stage_state)
         polled = Boolean(True)
+        poisoned = Boolean(False)
+        if from_x:
+            # Loaded now, used with x (``boundary.poison_direct``: a set word reads x as NaN).
+            poisoned = protocol.is_poisoned(error_word)
+        counter = (group == 0) & (cluster_rank == 0) & (tidx == 0) & (spin_limit_ns > Int64(0))
         squares = cute.make_rmem_tensor(cute.make_layout((halves,)), Float32)
         for h in cutlass.range_constexpr(halves):
             t = h * TOKENS_PER_HALF + g
@@ -243,13 +249,15 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
                 polled = Boolean(False)
             else:
                 # One thread polls every rank of its two fragments (fragment step 4, rank lanes 1).
-                protocol.poll_slots(
+                half_poisoned = protocol.poll_slots(
                     kept[h], mailbox_base, stage, token, token, first_fragment + q, Int32(0), active, LANE_FRAGMENTS,
-                    tp, 1, capacity, hidden, spin_limit_ns, error_flag, 0, HC,
+                    tp, 1, capacity, hidden, spin_limit_ns, error_flag, error_word, 0, HC, tp > 1 and h == 0, counter,
+                    m,
                 )  # fmt: skip
+                poisoned = poisoned | half_poisoned
                 protocol.rearm_slots(
-                    mailbox_base, stage, token, token, first_fragment + q, Int32(0), active, LANE_FRAGMENTS, tp, 1,
-                    capacity, hidden, 0, HC,
+                    mailbox_base, stage, token, token, first_fragment + q, Int32(0),
+                    active & (half_poisoned == Boolean(False)), LANE_FRAGMENTS, tp, 1, capacity, hidden, 0, HC,
                 )  # fmt: skip
             if cutlass.const_expr(h == halves - 1):
                 cute.arch.griddepcontrol_launch_dependents()
@@ -265,6 +273,8 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
                 f = local + q + k * HC
                 if from_x:
                     kept[h][k, 0, None].store(ptx.sanitize_negative_zero(kept[h][k, 0, None].load()))
+                    if poisoned:
+                        kept[h][k, 0, None].store(ptx.nan_u32x4())
                 # The all-reduced sublayer output is BF16, as the collective returns it.
                 summed = protocol.rank_tree_sum(kept[h], k, tp, HC).to(cutlass.BFloat16).to(Float32)
                 sources = [
@@ -393,5 +403,5 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
                         layer_input.toint() + (Int64(token) * hidden + column) * 2, ptx.f32x8_to_words(result)
                     )
         clusters = (m + tokens - 1) // tokens
-        leader = (cluster_rank == 0) & (tidx == 0) & polled
+        leader = (cluster_rank == 0) & (tidx == 0) & polled & (poisoned == Boolean(False))
         protocol.advance_stage_after_all(stage_state, arrivals, stage, clusters, leader)

@@ -15,8 +15,12 @@ and the boundary reads ``x`` itself after its PDL wait (bit-identical outputs). 
 (the finalize publish computes x) and the two-phase ``publish`` / ``collect`` form, whose
 caller may reuse x's memory in between, still go through the mailbox.
 
-Inside CUDA-graph capture, call ``join()`` before the capture ends, so the side
-stream rejoins the captured one.
+CUDA graphs: capture in any order (right after construction, after an eager call that was
+never joined, between replays; torch's side-stream warm-up recipe too), and call ``join()``
+before the capture ends, so the side stream rejoins the captured one. The side kernel's
+tensors (``post_out``, ``comb_out``, ``scale``, ``base``) stay alive until it is joined, also
+when the caller drops them first (``mhc_core.streams.SideWork``); the op's own hand-off rows
+and raw mixes outlive the op until its side work has finished.
 """
 
 from __future__ import annotations
@@ -27,10 +31,12 @@ from typing import Any
 import torch
 
 from mhc_core.compiler import kernel_from_spec
+from mhc_core.constants import ERROR_WORD
 from mhc_core.moe import MoEOutput
 from mhc_core.op import LamportOp, Plan, optional_output
 from mhc_core.publish import TRIGGER_AFTER_WAIT
 from mhc_core.signature import BoundKernel
+from mhc_core.streams import SideWork, current_capture
 from mhc_core.validation import check_int, check_tensor
 
 from .config import HC, MIX, GLM5Preset, thresholds_from_mapping
@@ -122,8 +128,9 @@ class AllReduceMhcBoundary(LamportOp):
         # The boundaries' clusters count in here; the last one moves the stage on (it polls before
         # its PDL wait: ``mhc_core.protocol.advance_stage_after_all``).
         self._arrivals = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self._side = torch.cuda.Stream(self.device)
-        self._pending: torch.cuda.Event | None = None
+        self._side = SideWork(self.device)
+        self._side.own(self._mixes_handoff, self._raw_mixes)
+        self._order.own(self._mixes_handoff, self._raw_mixes, self._arrivals)
         self._setup()
 
     @classmethod
@@ -172,10 +179,15 @@ class AllReduceMhcBoundary(LamportOp):
         return 1 <= tokens <= self.capacity
 
     def join(self) -> None:
-        """Make the current stream wait for the last mixes kernel (post_out / comb_out complete)."""
-        if self._pending is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._pending)
-            self._pending = None
+        """Make the current stream wait for the last mixes kernel (post_out / comb_out complete).
+        Inside a CUDA-graph capture, call it before the capture ends."""
+        current = torch.cuda.current_stream(self.device)
+        self._side.join(current, current_capture(current))
+
+    @property
+    def side_stream(self) -> torch.cuda.Stream:
+        """The stream the mixes kernel runs on (``join()`` rejoins it)."""
+        return self._side.stream
 
     @property
     def raw_mixes(self) -> torch.Tensor:
@@ -194,7 +206,14 @@ class AllReduceMhcBoundary(LamportOp):
             tokens: self._bind(kernel, dict(fixed, mixes_out=self._mixes_handoff, arrivals=self._arrivals))
             for tokens, kernel in self._boundary_kernels.items()
         }
-        spin = {"spin_limit_ns": fixed["spin_limit_ns"], "error_flag": fixed["error_flag"]}
+        assert self.mailbox is not None
+        # The hand-off wait outlasts the boundary's own (``SpinGuard.handoff_limit_ns``); a timeout
+        # there poisons the op through its error word like any other.
+        spin = dict(
+            spin_limit_ns=self.spin.handoff_limit_ns,
+            error_flag=fixed["error_flag"],
+            error_word=self.mailbox.stage_state.data_ptr() + ERROR_WORD * 4,
+        )
         self._mixes = self._bind(self._mixes_kernel, dict(spin, mixes=self._mixes_handoff, raw_out=self._raw_mixes))
 
     def _warmup_collects(self) -> list[Callable[[bool], Any]]:
@@ -245,9 +264,10 @@ class AllReduceMhcBoundary(LamportOp):
         boundary = self._boundaries[tokens if tokens is not None else self.tokens_per_cluster(m)]
 
         def collect(after_publish: bool) -> Outputs:
-            # The previous mixes kernel still reads and re-arms the hand-off rows until joined.
-            self.join()
             current = torch.cuda.current_stream(device)
+            capture = current_capture(current)
+            # The previous mixes kernel still reads and re-arms the hand-off rows until joined.
+            self._side.join(current, capture)
             # The mixes kernel waits only for what precedes the boundary, then polls each token's
             # hand-off row: it runs alongside the boundary instead of one launch after it.
             fork = torch.cuda.Event()
@@ -269,15 +289,12 @@ class AllReduceMhcBoundary(LamportOp):
                 m=m,
             )
             # Launched after the boundary, so a boundary that fails to launch leaves no waiter.
-            self._side.wait_event(fork)
-            with torch.cuda.stream(self._side):
+            side = self._side.stream
+            side.wait_event(fork)
+            with torch.cuda.stream(side):
                 self._mixes(scale=scale, base=base, post_out=post_out, comb_out=comb_out, m=m)
-                self._pending = torch.cuda.Event()
-                self._pending.record(self._side)
-            if not torch.cuda.is_current_stream_capturing():
-                # The side kernel uses these after the current stream may have freed them.
-                for tensor in (post_out, comb_out, scale, base):
-                    tensor.record_stream(self._side)
+            # The side kernel uses these after the current stream may have dropped them.
+            self._side.launched(capture, (post_out, comb_out, scale, base))
             return residual_out, post_out, comb_out, layer_input
 
         return collect

@@ -1,0 +1,136 @@
+"""Host-side ordering of an op's work across streams and CUDA-graph captures.
+
+Every call of an op moves its mailbox generation on, so the op's calls must run on the
+device in the order they were issued, whatever stream each was issued on:
+
+* ``CallOrder``: a call issued on another stream than the op's previous call waits for
+  that call first (a change of stream is legal; overlapping calls are serialised, never
+  interleaved). Inside a capture the wait becomes a graph dependency: an edge to an earlier
+  call of the same capture, or an external event-wait node on the last eager call (a
+  non-captured event may only be waited on from a capture that way). Graph replays are not
+  seen by the host: replay a graph on the stream the op's eager calls use, or order the two
+  yourself, as for any tensor a graph and eager work share.
+* ``SideWork``: work an op forks onto its own side stream (GLM's mixes kernel). The main
+  stream waits for it before the op's next call and at ``join``; the tensors it uses stay
+  alive until then: ``record_stream`` in eager mode, a reference held until the join inside
+  a capture (where a dropped output's memory would otherwise go to the next allocation of
+  the same capture, racing the side kernel on every replay).
+
+No event is queried or synchronised here: both are illegal while any stream captures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+
+def current_capture(stream: torch.cuda.Stream) -> int:
+    """0 when ``stream`` (the current stream) is not capturing, else its capture's process-unique id."""
+    if not torch.cuda.is_current_stream_capturing():
+        return 0
+    from cuda.bindings import runtime
+
+    result = runtime.cudaStreamGetCaptureInfo(stream.cuda_stream)
+    if result[0] != runtime.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"cudaStreamGetCaptureInfo failed: {result[0]}")
+    return int(result[2])
+
+
+@dataclass
+class _Recorded:
+    stream: torch.cuda.Stream
+    event: torch.cuda.Event
+    capture: int = 0
+    held: list[torch.Tensor] = field(default_factory=list)
+
+
+class CallOrder:
+    """The device order of one op's calls (see the module docstring)."""
+
+    def __init__(self, device: torch.device, owned: Iterable[torch.Tensor] = ()) -> None:
+        self.device = device
+        # The op's persistent buffers: a stream that uses them is recorded on them, so that
+        # their memory outlives that stream's work when the op is dropped.
+        self._owned = list(owned)
+        self._streams: set[int] = set()
+        self._eager_event = torch.cuda.Event(external=True)
+        self._eager: _Recorded | None = None
+        self._captured: _Recorded | None = None
+        self.stream: torch.cuda.Stream | None = None
+        self.capture = 0
+
+    def own(self, *tensors: torch.Tensor) -> None:
+        self._owned.extend(tensors)
+
+    def begin(self) -> torch.cuda.Stream:
+        """Before a call's first launch: order it after the previous call; returns the stream."""
+        stream = torch.cuda.current_stream(self.device)
+        capture = current_capture(stream)
+        previous = self._captured if capture and self._captured and self._captured.capture == capture else None
+        if previous is None:
+            previous = self._eager
+        if previous is not None and previous.stream != stream:
+            stream.wait_event(previous.event)
+        if not capture and stream.cuda_stream not in self._streams:
+            self._streams.add(stream.cuda_stream)
+            for tensor in self._owned:
+                tensor.record_stream(stream)
+        self.stream, self.capture = stream, capture
+        return stream
+
+    def end(self) -> None:
+        """After a call's last launch on its stream."""
+        stream, capture = self.stream, self.capture
+        assert stream is not None, "CallOrder.end() without begin()"
+        if capture:
+            event = torch.cuda.Event()
+            event.record(stream)
+            self._captured = _Recorded(stream, event, capture)
+        else:
+            self._eager_event.record(stream)
+            self._eager = _Recorded(stream, self._eager_event)
+
+
+class SideWork:
+    """A side stream an op forks work onto, and the joins back (see the module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device)
+        self._eager_event = torch.cuda.Event(external=True)
+        self._eager_pending = False
+        self._captured: _Recorded | None = None
+
+    def own(self, *tensors: torch.Tensor) -> None:
+        """Persistent buffers the side work uses: freed only after the side work enqueued so far."""
+        for tensor in tensors:
+            tensor.record_stream(self.stream)
+
+    def launched(self, capture: int, tensors: Iterable[torch.Tensor]) -> None:
+        """After the side launch: remember it for the next join; keep ``tensors`` alive until then."""
+        if capture:
+            event = torch.cuda.Event()
+            event.record(self.stream)
+            self._captured = _Recorded(self.stream, event, capture, list(tensors))
+            return
+        for tensor in tensors:
+            tensor.record_stream(self.stream)
+        self._eager_event.record(self.stream)
+        self._eager_pending = True
+        self._captured = None  # a capture that never joined its side work failed; nothing to wait for
+
+    def join(self, stream: torch.cuda.Stream, capture: int) -> None:
+        """``stream`` waits for the last side work (of this capture, or the last eager one)."""
+        captured = self._captured
+        if captured is not None and captured.capture != capture:
+            captured = self._captured = None  # from another capture (that one ended or failed)
+        if captured is not None:
+            stream.wait_event(captured.event)
+            self._captured = None  # the wait orders every later use of its tensors after the side kernel
+        elif self._eager_pending:
+            # Inside a capture this is an external event-wait node (the event was recorded outside).
+            stream.wait_event(self._eager_event)
+            if not capture:
+                self._eager_pending = False
