@@ -33,14 +33,14 @@ class HandoffKernel(DeviceKernel):
             Param("out", Ptr(Float32)),
             Param("spin_limit_ns", Scalar(Int64)),
             Param("error_flag", Scalar(Int64)),
-            Param("error_word", Scalar(Int64)),
+            Param("state", Scalar(Int64)),
             Param("n", Scalar(Int32)),
             Param("stream", Stream()),
         )
 
     @cute.jit
-    def __call__(self, values, rows, out, spin_limit_ns, error_flag, error_word, n, stream):
-        self.kernel(values, rows, out, spin_limit_ns, error_flag, error_word, n).launch(
+    def __call__(self, values, rows, out, spin_limit_ns, error_flag, state, n, stream):
+        self.kernel(values, rows, out, spin_limit_ns, error_flag, state, n).launch(
             grid=((n + 127) // 128, 1, 1), block=(128, 1, 1), stream=stream
         )
 
@@ -52,7 +52,7 @@ class HandoffKernel(DeviceKernel):
         out: cute.Pointer,
         spin_limit_ns: Int64,
         error_flag: Int64,
-        error_word: Int64,
+        state: Int64,
         n: Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
@@ -64,6 +64,6 @@ class HandoffKernel(DeviceKernel):
                 handoff.write_row(rows.toint(), i, row, WIDTH)
             else:
                 taken = cute.make_rmem_tensor(cute.make_layout((WIDTH,)), Float32)
-                if handoff.wait_row(taken, rows.toint(), i, WIDTH, spin_limit_ns, error_flag, error_word):
+                if handoff.wait_row(taken, rows.toint(), i, WIDTH, spin_limit_ns, error_flag, state):
                     handoff.write_row(out.toint(), i, taken, WIDTH)
                 handoff.rearm_row(rows.toint(), i, WIDTH)

@@ -38,8 +38,8 @@ def test_rows_round_trip_with_negative_zero_as_plus_zero() -> None:
     rows = torch.full((rows_count, width), -0.0, device="cuda")
     out = torch.full((rows_count, width), float("nan"), device="cuda")
     guard = SpinGuard(tp=1, timeout_ms=1000.0, device=torch.device("cuda"))
-    word = torch.zeros(1, dtype=torch.int32, device="cuda")
-    spin = dict(spin_limit_ns=guard.limit_ns, error_flag=guard.address, error_word=word.data_ptr())
+    state = torch.zeros(4, dtype=torch.int32, device="cuda")  # a stage state: NEXT, ERROR, ACTIVE, ERROR
+    spin = dict(spin_limit_ns=guard.limit_ns, error_flag=guard.address, state=state.data_ptr())
     bound("write")(values=bits.view(torch.float32), rows=rows, out=out, n=rows_count, **spin)
     torch.cuda.synchronize()
     expected = torch.where(bits == NEGATIVE_ZERO, torch.zeros_like(bits), bits)
@@ -60,11 +60,11 @@ def test_consumer_gives_up_on_a_row_never_written() -> None:
     rows[2] = 2.0
     out = torch.full((3, 8), float("nan"), device="cuda")
     guard = SpinGuard(tp=1, timeout_ms=20.0, device=torch.device("cuda"))
-    word = torch.zeros(1, dtype=torch.int32, device="cuda")
-    spin = dict(spin_limit_ns=guard.limit_ns, error_flag=guard.address, error_word=word.data_ptr())
+    state = torch.zeros(4, dtype=torch.int32, device="cuda")  # a stage state: NEXT, ERROR, ACTIVE, ERROR
+    spin = dict(spin_limit_ns=guard.limit_ns, error_flag=guard.address, state=state.data_ptr())
     bound("take")(values=out, rows=rows, out=out, n=3, **spin)
     torch.cuda.synchronize()  # returns: the kernel gave up on its own
     assert out[:2].isnan().all() and (out[2] == 2.0).all()
-    assert word.item() != 0, "a hand-off timeout sets the op's device error word"
+    assert state.tolist() == [0, 3, 0, 3], "a hand-off timeout sets both copies of the op's error word"
     with pytest.raises(LamportTimeoutError, match="hand-off row"):
         guard.check()

@@ -45,7 +45,8 @@ def test_publish_unicast(arch: str, trigger: str) -> None:
     stores = [i for i, line in enumerate(lines) if "st.global.v4.u32" in line]
     assert wait < first_load, "x is read before the PDL wait"
     assert len(stores) == 8, "one 16-byte store per rank (tp = 4), and each rank's header entry (M)"
-    assert count(ptx, "ld.volatile.global.u32") == 2, "the stage and the error word"
+    assert count(ptx, "ld.volatile.global.v2.u32") == 1, "the stage and the error word beside it, in one load"
+    assert count(ptx, "ld.volatile.global.u32") == 0
     if trigger == "after_wait":
         assert launch < first_load
     else:

@@ -48,7 +48,7 @@ def test_multicast_addressing_through_local_debug_store() -> None:
         expected_header = torch.full_like(header, -2147450880)  # BF16 -0 pairs: empty entries
         expected_header[2, rank] = 2 * m + 1  # this rank's M, encoded (``protocol.encode_count``)
         assert torch.equal(header, expected_header), f"rank {rank}: wrong header entries written"
-        assert mailbox.stage_state.tolist() == [2, 2, 0, 0]
+        assert mailbox.stage_state.tolist() == [2, 0, 2, 0]  # NEXT, ERROR, ACTIVE, ERROR
 
 
 def test_collect_without_publish_is_refused() -> None:

@@ -34,13 +34,14 @@ def check_staged_fn(ptx: str, stagings: int = 1) -> None:
     assert count(ptx, "mbarrier.try_wait.parity") == stagings
 
 
-def check_protocol(ptx: str, tp: int, polls: int = 1) -> None:
-    """Every boundary: the stage read once, the poll spinning on volatile loads under the time
-    bound before the PDL wait (which the kernels put before their output stores), one trigger, the stage
-    moved on by the last arriving cluster, and the raw mixes handed off with no fence
-    (``mhc_core.handoff``). The error word is read in each poll loop and, at tp = 1, for the direct read."""
+def check_protocol(ptx: str, polls: int = 1) -> None:
+    """Every boundary: the stage read once (with the error word beside it), the poll spinning on
+    volatile loads under the time bound before the PDL wait (which the kernels put before their
+    output stores), one trigger, the stage moved on by the last arriving cluster, and the raw mixes
+    handed off with no fence (``mhc_core.handoff``). An empty poll round reads the error word again."""
     assert polls_volatile_in_loop(ptx)
-    assert count(ptx, "ld.volatile.global.u32") == 1 + polls + (tp == 1), "the stage once, the error word per poll"
+    assert count(ptx, "ld.volatile.global.v2.u32") == 1, "the stage and the error word, read once"
+    assert count(ptx, "ld.volatile.global.u32") == polls, "the error word again, in each poll's empty rounds"
     assert count(ptx, "griddepcontrol.wait") == 2, "one in the no-prefetch / direct branch, one before the outputs"
     assert ptx.index("ld.volatile.global.v4.u32") < ptx.rindex("griddepcontrol.wait"), "the poll precedes the wait"
     assert count(ptx, "griddepcontrol.launch_dependents") == 1
@@ -56,7 +57,7 @@ def test_cuda_core_boundaries(arch: str, tokens: int, tp: int) -> None:
     """The one-token and CUDA-core grouped kernels: the GEMV's mixed-precision dot is
     ``fma.rn.f32.bf16`` on sm_100+, the exact unpack + ``fma.rn.f32`` on sm_90a."""
     ptx = compiled(boundary(arch, tokens, tp), arch)
-    check_protocol(ptx, tp)
+    check_protocol(ptx)
     if tokens == 1:
         check_staged_fn(ptx)
         from mhc_glm5.config import SM_SHARED_BYTES
@@ -81,7 +82,7 @@ def test_tensor_core_boundary(arch: str, tokens: int, tp: int) -> None:
     """4 fragments per warp x 3 n-tiles x 2 k-halves of m16n8k16; the staging is asynchronous:
     fn and the residual streams by bulk copies, post / comb by 4-byte copies."""
     ptx = compiled(boundary(arch, tokens, tp), arch)
-    check_protocol(ptx, tp, polls=tokens // 8)  # one poll per half of 8 tokens
+    check_protocol(ptx, polls=tokens // 8)  # one poll per half of 8 tokens
     check_staged_fn(ptx, stagings=2)
     assert count(ptx, MMA) == 4 * 3 * 2
     assert count(ptx, "cp.async.cg.shared.global") == 0

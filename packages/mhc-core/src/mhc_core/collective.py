@@ -96,13 +96,13 @@ class CollectiveKernel(DeviceKernel):
         base = mailbox.iterator.toint()
 
         cute.arch.griddepcontrol_wait()
-        stage = protocol.active_stage(stage_state)
+        stage, poisoned = protocol.active_stage(stage_state)
         leader = (token == 0) & (chunk == 0) & (tidx == 0)
         m, _, _ = cute.arch.grid_dim()
         total = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
         poisoned = protocol.poll_and_sum(
             total, base, stage, token, fragment, lane, active, tp, lanes, capacity, hidden, spin_limit_ns, error_flag,
-            protocol.error_address(stage_state), tp > 1, leader & (spin_limit_ns > Int64(0)), m,
+            stage_state.iterator.toint(), poisoned, tp > 1, leader & (spin_limit_ns > Int64(0)), m,
         )  # fmt: skip
         if active & (lane == 0):
             element = Int64(token) * hidden + Int64(fragment) * VEC_BF16

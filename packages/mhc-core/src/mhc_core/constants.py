@@ -4,12 +4,15 @@
 LAMPORT_GENERATIONS = 3
 #: Index of the stage the next publish writes, in the int32 stage state.
 NEXT_STAGE = 0
-#: Index of the stage the last publish wrote (the collective reads it).
-ACTIVE_STAGE = 1
 #: Index of the op's sticky device error word: 0 until a kernel of the op fails (spin bound,
-#: unequal M), then the error code. Every kernel reads it; a set word poisons the kernel.
-ERROR_WORD = 2
-#: int32 words of the stage state: NEXT, ACTIVE, ERROR and one spare (16 bytes).
+#: unequal M), then the error code. Every kernel reads it; a set word poisons the kernel. It is
+#: kept twice, beside each stage word, so that one 8-byte load reads a stage and the error.
+ERROR_WORD = 1
+#: Index of the stage the last publish wrote (the collective reads it).
+ACTIVE_STAGE = 2
+#: Index of the error word's copy beside ACTIVE.
+ERROR_COPY = 3
+#: int32 words of the stage state: NEXT, ERROR, ACTIVE, ERROR (16 bytes).
 STAGE_STATE_WORDS = 4
 
 #: BF16 elements per 16-byte fragment, the unit every kernel moves.

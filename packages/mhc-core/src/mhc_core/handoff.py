@@ -57,13 +57,13 @@ def wait_row(
     width: cutlass.Constexpr[int],
     spin_limit_ns: Int64,
     error_flag: Int64,
-    error_word: Int64,
+    state: Int64,
 ) -> Boolean:
     """Poll row ``index`` until no value is -0, into ``values`` (``width`` FP32 in registers).
 
     False if ``spin_limit_ns`` (> 0) passed first (reported in the host-mapped ``error_flag``
-    as ``ERROR_HANDOFF_TIMEOUT`` for ``index``, and in the op's device error word, which
-    poisons every later kernel of the op). The producer always writes its row, also when it
+    as ``ERROR_HANDOFF_TIMEOUT`` for ``index``, and in the error word of the op's stage state at
+    ``state``, which poisons every later kernel of the op). The producer always writes its row, also when it
     is poisoned or timed out itself (NaN values), so the bound is a backstop: the op gives
     it the producer's own bound and more (``mhc_core.spin.SpinGuard.handoff_limit_ns``)."""
     groups = width // WORD_VALUES
@@ -82,7 +82,7 @@ def wait_row(
             if expired:
                 ptx.store_system_u32(error_flag + Int64(ERROR_TOKEN * 4), Uint32(index))
                 ptx.store_system_u32(error_flag + Int64(ERROR_CODE * 4), Uint32(ERROR_HANDOFF_TIMEOUT))
-                ptx.store_u32(error_word, Uint32(ERROR_HANDOFF_TIMEOUT))
+                protocol.set_error(state, ERROR_HANDOFF_TIMEOUT)
                 arrived = Boolean(False)
                 waiting = Boolean(False)
     for group in cutlass.range_constexpr(groups):

@@ -16,9 +16,11 @@ lanes are then summed by an xor butterfly. The FP32 summation tree is therefore
 fixed by (tp, lanes) alone and is the same on every rank;
 ``mhc_core.reference.tp_sum`` builds the same tree.
 
-Sticky errors: word ERROR of the stage state is 0 until a kernel of the op fails (a spin
-bound expired, or a peer published another M). Every poll round loads it beside the slots
-(no extra round trip), and a set word poisons the kernel: it stops polling, sums NaN
+Sticky errors: the stage state's error word is 0 until a kernel of the op fails (a spin
+bound expired, or a peer published another M). It is kept beside both stage words, so the
+one 8-byte load of a stage reads it too (``read_state``: no extra request, and no extra
+traffic on that one hot line), and an empty poll round with the bound on reads it again (a
+failure elsewhere in the grid). A set word poisons the kernel: it does not poll, sums NaN
 instead of the slots (so every output it derives is NaN), re-arms nothing and leaves the
 stage where it is. A publish that reads it set stores nothing. The op is then unusable
 until it is rebuilt on every rank.
@@ -39,6 +41,7 @@ from . import ptx
 from .constants import (
     ACTIVE_STAGE,
     ERROR_CODE,
+    ERROR_COPY,
     ERROR_DETAIL,
     ERROR_RANKS,
     ERROR_SPIN_TIMEOUT,
@@ -90,23 +93,30 @@ def state_address(stage_state: cute.Tensor, index: cutlass.Constexpr[int]) -> In
 
 
 @cute.jit
-def error_address(stage_state: cute.Tensor) -> Int64:
-    """The op's sticky device error word (see the module docstring)."""
-    return state_address(stage_state, ERROR_WORD)
+def read_state(stage_state: cute.Tensor, index: cutlass.Constexpr[int]) -> tuple:
+    """``(stage, poisoned)``: stage word ``index`` and the error word beside it, in one load."""
+    stage, error = ptx.load_volatile_u32x2(state_address(stage_state, index))
+    return stage, error != Uint32(0)
 
 
 @cute.jit
-def is_poisoned(error_word: Int64) -> Boolean:
-    """Whether an earlier kernel of this op failed (its error word is set)."""
-    return ptx.load_volatile_u32(error_word) != Uint32(0)
+def is_poisoned(state: Int64) -> Boolean:
+    """Whether a kernel of this op failed (``state``: the stage state's address), read now."""
+    return ptx.load_volatile_u32(state + Int64(ERROR_WORD * 4)) != Uint32(0)
+
+
+@cute.jit
+def set_error(state: Int64, code: cutlass.Constexpr[int]) -> None:
+    """Poison the op: both copies of its error word (every later kernel reads one)."""
+    ptx.store_u32(state + Int64(ERROR_WORD * 4), Uint32(code))
+    ptx.store_u32(state + Int64(ERROR_COPY * 4), Uint32(code))
 
 
 @cute.jit
 def begin_publish(stage_state: cute.Tensor, leader: Boolean) -> tuple:
     """``(stage, poisoned)``: the stage this publish writes (the leader records it as ACTIVE)
-    and whether the op's error word is set (both loads in flight together)."""
-    stage = ptx.load_volatile_u32(state_address(stage_state, NEXT_STAGE))
-    poisoned = is_poisoned(error_address(stage_state))
+    and whether the op is poisoned."""
+    stage, poisoned = read_state(stage_state, NEXT_STAGE)
     if leader:
         ptx.store_u32(state_address(stage_state, ACTIVE_STAGE), stage)
     return stage, poisoned
@@ -178,9 +188,10 @@ def publish_fragment(
 
 
 @cute.jit
-def active_stage(stage_state: cute.Tensor) -> Uint32:
-    """The stage the publish before this collective wrote (read after the PDL wait)."""
-    return ptx.load_volatile_u32(state_address(stage_state, ACTIVE_STAGE))
+def active_stage(stage_state: cute.Tensor) -> tuple:
+    """``(stage, poisoned)``: the stage the publish before this collective wrote (read after
+    the PDL wait), and whether the op is poisoned."""
+    return read_state(stage_state, ACTIVE_STAGE)
 
 
 @cute.jit
@@ -191,11 +202,12 @@ def advance_stage(stage_state: cute.Tensor, stage: Uint32, leader: Boolean) -> N
 
 
 @cute.jit
-def stage_before_wait(stage_state: cute.Tensor) -> Uint32:
-    """The stage the publish before this collective writes, readable before the PDL wait: NEXT.
-    The previous collective moved it on before it completed, which that publish waited for; this
-    one moves it only after every cluster has read it (``advance_stage_after_all``)."""
-    return ptx.load_volatile_u32(state_address(stage_state, NEXT_STAGE))
+def stage_before_wait(stage_state: cute.Tensor) -> tuple:
+    """``(stage, poisoned)``: the stage the publish before this collective writes, readable
+    before the PDL wait: NEXT. The previous collective moved it on before it completed, which
+    that publish waited for; this one moves it only after every cluster has read it
+    (``advance_stage_after_all``). An earlier kernel's failure is visible by then too."""
+    return read_state(stage_state, NEXT_STAGE)
 
 
 @cute.jit
@@ -246,7 +258,8 @@ def poll_slots(
     hidden: cutlass.Constexpr[int],
     spin_limit_ns: Int64,
     error_flag: Int64,
-    error_word: Int64,
+    state: Int64,
+    poisoned: Boolean,
     token_step: cutlass.Constexpr[int] = 1,
     fragment_step: cutlass.Constexpr[int] = 0,
     counts: cutlass.Constexpr[bool] = False,
@@ -259,12 +272,13 @@ def poll_slots(
     of token ``min(first + t * token_step, last)`` from rank ``w * lanes + lane``
     (zeros where that rank does not exist or the thread is inactive): several
     tokens at one fragment (the default), or one token's consecutive fragments
-    (``token_step=0, fragment_step=1``). Each round also loads the op's error word
-    (``error_word``): once it is set the loop stops, ``kept`` is filled with NaN and the
-    result is True. With ``spin_limit_ns > 0`` the loop gives up after that many
-    nanoseconds of the global timer, records the ranks still missing in the host-mapped
-    ``error_flag``, sets the error word and returns True: the kernel finishes instead of
-    hanging, and every later kernel of the op is poisoned.
+    (``token_step=0, fragment_step=1``). ``poisoned`` is what the kernel's stage read found
+    (``read_state``): then nothing is polled. With ``spin_limit_ns > 0`` every empty round
+    reads the op's error word again (``state``: the stage state's address; another thread
+    may have failed) and the loop gives up after that many nanoseconds of the global timer,
+    records the ranks still missing in the host-mapped ``error_flag`` and sets the error
+    word: the kernel finishes instead of hanging, and every later kernel of the op is
+    poisoned. Poisoned, ``kept`` is filled with NaN and the result is True.
 
     ``counts`` (compile time) with ``counter`` set on one thread: that thread also polls every
     rank's header entry of this stage, compares the M it holds with ``m``, reports a mismatch
@@ -273,8 +287,8 @@ def poll_slots(
     waves = rank_waves(tp, lanes)
     counter = Boolean(counter)
     kept.fill(Uint32(0))
-    dirty = active | counter
-    poisoned = Boolean(False)
+    poisoned = Boolean(poisoned)
+    dirty = (active | counter) & (poisoned == Boolean(False))
     started = Int64(0)
     seen = cute.make_rmem_tensor(cute.make_layout((tp,)), Uint32)
     seen.fill(Uint32(0))
@@ -300,18 +314,18 @@ def poll_slots(
                     seen[rank] = ptx.element(words, 0)
                 counted = arrived
                 dirty = dirty | (arrived == Boolean(False))
-        poisoned = is_poisoned(error_word)
-        dirty = dirty & (poisoned == Boolean(False))
         if dirty & (spin_limit_ns > Int64(0)):
+            # An empty round: a failure elsewhere in the grid (a timeout, an unequal M) ends it too.
+            poisoned = is_poisoned(state)
             started, expired = spin_clock(started, spin_limit_ns)
             if expired:
                 _report_timeout(kept, stage, first_token, fragment, lane, tokens, tp, lanes, error_flag)
-                ptx.store_u32(error_word, Uint32(ERROR_SPIN_TIMEOUT))
+                set_error(state, ERROR_SPIN_TIMEOUT)
                 poisoned = Boolean(True)
-                dirty = Boolean(False)
+            dirty = dirty & (poisoned == Boolean(False))
     if cutlass.const_expr(counts):  # noqa: SIM102 (a compile-time branch stands alone in the DSL)
         if counter & counted & (poisoned == Boolean(False)):
-            _check_counts(seen, mailbox, stage, m, tp, capacity, hidden, error_flag, error_word)
+            _check_counts(seen, mailbox, stage, m, tp, capacity, hidden, error_flag, state)
     if poisoned:
         kept.fill(Uint32(NAN_BF16_PAIR))
     return poisoned
@@ -327,7 +341,7 @@ def _check_counts(
     capacity: Int32,
     hidden: cutlass.Constexpr[int],
     error_flag: Int64,
-    error_word: Int64,
+    state: Int64,
 ) -> None:
     """Compare every rank's published M (``seen``, header words) with ``m``; re-arm the entries.
     A mismatch records each differing rank's M in its rank word, then this M and the code."""
@@ -342,7 +356,7 @@ def _check_counts(
         ptx.store_system_u32(error_flag + Int64(ERROR_STAGE * 4), stage)
         ptx.store_system_u32(error_flag + Int64(ERROR_TOKEN * 4), Uint32(m))
         ptx.store_system_u32(error_flag + Int64(ERROR_CODE * 4), Uint32(ERROR_TOKEN_COUNT))
-        ptx.store_u32(error_word, Uint32(ERROR_TOKEN_COUNT))
+        set_error(state, ERROR_TOKEN_COUNT)
 
 
 @cute.jit
@@ -434,7 +448,8 @@ def poll_and_sum(
     hidden: cutlass.Constexpr[int],
     spin_limit_ns: Int64,
     error_flag: Int64,
-    error_word: Int64,
+    state: Int64,
+    poisoned: Boolean,
     counts: cutlass.Constexpr[bool] = False,
     counter: Boolean = False,
     m: Int32 = 0,
@@ -446,7 +461,7 @@ def poll_and_sum(
     kept = cute.make_rmem_tensor(cute.make_layout((1, waves, 4), stride=(waves * 4, 4, 1)), Uint32)
     poisoned = poll_slots(
         kept, mailbox, stage, token, token, fragment, lane, active, 1, tp, lanes, capacity, hidden,
-        spin_limit_ns, error_flag, error_word, 1, 0, counts, counter, m,
+        spin_limit_ns, error_flag, state, poisoned, 1, 0, counts, counter, m,
     )  # fmt: skip
     # Lanes leave the poll at different times; the butterfly needs the warp converged.
     cute.arch.sync_warp()

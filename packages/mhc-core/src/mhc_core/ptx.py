@@ -31,6 +31,7 @@ PTX_LOAD_VOLATILE_U32X4 = "ld.volatile.global.v4.u32 {$0, $1, $2, $3}, [$4];"
 PTX_STORE_U32X4 = "st.global.v4.u32 [$0], {$1, $2, $3, $4};"
 PTX_MULTIMEM_STORE_BF16X8 = "multimem.st.relaxed.sys.global.v4.bf16x2 [$0], {$1, $2, $3, $4};"
 PTX_LOAD_VOLATILE_U32 = "ld.volatile.global.u32 $0, [$1];"
+PTX_LOAD_VOLATILE_U32X2 = "ld.volatile.global.v2.u32 {$0, $1}, [$2];"
 PTX_STORE_U32 = "st.global.u32 [$0], $1;"
 PTX_STORE_SYSTEM_U32 = "st.relaxed.sys.global.u32 [$0], $1;"
 PTX_ARRIVE_U32 = "atom.acq_rel.gpu.global.add.u32 $0, [$1], 1;"
@@ -116,6 +117,22 @@ def _u32_at(text: str, address: Int64, loc, ip) -> Uint32:
 def load_volatile_u32(address: Int64, *, loc=None, ip=None) -> Uint32:
     """A volatile 32-bit load (the stage state, written by the previous kernel)."""
     return _u32_at(PTX_LOAD_VOLATILE_U32, address, loc, ip)
+
+
+@dsl_user_op
+def load_volatile_u32x2(address: Int64, *, loc=None, ip=None) -> tuple:
+    """A volatile 8-byte load of two words (a stage and the error word beside it: one request)."""
+    result = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 2),
+        [_value(Int64(address), loc, ip)],
+        PTX_LOAD_VOLATILE_U32X2,
+        "=r,=r,l,~{memory}",
+        has_side_effects=True,
+        asm_dialect=0,
+        loc=loc,
+        ip=ip,
+    )
+    return tuple(Uint32(llvm.extractvalue(T.i32(), result, [k], loc=loc, ip=ip)) for k in range(2))
 
 
 # -------------------------------------------------------------------------- stores

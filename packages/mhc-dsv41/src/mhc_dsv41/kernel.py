@@ -172,11 +172,10 @@ class LamportMHCKernel(DeviceKernel):
                 )
 
         cute.arch.griddepcontrol_wait()
-        stage = protocol.active_stage(stage_state)
+        stage, poisoned = protocol.active_stage(stage_state)
         first_thread = (token == 0) & (cluster_rank == 0) & (tidx == 0)
         m, _, _ = cute.arch.grid_dim()
-        error_word = protocol.error_address(stage_state)
-        poisoned = Boolean(False)
+        state = stage_state.iterator.toint()
         prenorm_words = cute.make_rmem_tensor(cute.make_layout((trips, 4), stride=(4, 1)), Uint32)
         prenorm_words.fill(Uint32(0))
         total = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
@@ -184,10 +183,10 @@ class LamportMHCKernel(DeviceKernel):
             fragment = base_fragment + trip * config.fragment_stride
             active = fragment < config.fragments
             # The grid's first thread also checks every rank's M (trip 0, spin bound on; ``mhc_core.protocol``).
-            poisoned = poisoned | protocol.poll_and_sum(
+            poisoned = protocol.poll_and_sum(
                 total, mailbox_base, stage, token, fragment, lane, active, tp, lanes, capacity, hidden,
-                spin_limit_ns, error_flag, error_word, tp > 1 and trip == 0, first_thread & (spin_limit_ns > Int64(0)),
-                m,
+                spin_limit_ns, error_flag, state, poisoned, tp > 1 and trip == 0,
+                first_thread & (spin_limit_ns > Int64(0)), m,
             )  # fmt: skip
             if active & leader:
                 # The all-reduced sublayer output is BF16, as the unfused collective returns it.

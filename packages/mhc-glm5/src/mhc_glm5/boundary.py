@@ -29,7 +29,8 @@ kernels do the same).
 
 Once the op is poisoned (``mhc_core.protocol``: an earlier kernel failed; a direct read checks
 the error word itself) the reduced x is NaN, so every output is, the raw mixes handed off too
-(the mixes kernel is never left waiting), and nothing is re-armed or moved on.
+(the mixes kernel is never left waiting), and nothing is re-armed or moved on; the stage read
+before the poll tells (``mhc_core.protocol.read_state``).
 
 The CTA's ``fn`` slice is staged in shared memory by bulk copies (``mhc_glm5.fn_stage``),
 and the residual streams, the weight, post and comb are loaded, before the PDL wait
@@ -158,16 +159,6 @@ def load_x(x: cute.Pointer, token: Int32, column: Int64, hidden: cutlass.Constex
     """A fragment of ``x[token]`` with -0 as +0: the words a publish would have written, so the
     boundary's result is bit-identical to the mailbox path's (whose tree adds them to +0)."""
     return ptx.sanitize_negative_zero(load_x_raw(x, token, column, hidden))
-
-
-@cute.jit
-def poison_direct(reduced: cute.Tensor, error_word: Int64) -> Boolean:
-    """A direct read's poison check (the mailbox path's is in its poll): once the op's error
-    word is set, the sublayer output reads as NaN, so every output derived from it is NaN."""
-    poisoned = protocol.is_poisoned(error_word)
-    if poisoned:
-        reduced.fill(Float32(float("nan")))
-    return poisoned
 
 
 @cute.jit
@@ -302,21 +293,21 @@ class BoundaryKernel(DeviceKernel):
 
         # Polled before the PDL wait (Lamport slots need no ordering); the wait comes before the
         # first output store, as an output may alias what the publish reads.
-        stage = protocol.stage_before_wait(stage_state)
-        error_word = protocol.error_address(stage_state)
+        stage, poisoned = protocol.stage_before_wait(stage_state)
         polled = Boolean(True)
-        poisoned = Boolean(False)
         reduced = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
         if from_x:
             reduced.store(ptx.words_to_f32x8(load_x(x, token, column, hidden)))
             polled = Boolean(False)
-            poisoned = poison_direct(reduced, error_word)
+            if poisoned:
+                # A direct read's poison (the mailbox path's is in its poll): x reads as NaN.
+                reduced.fill(Float32(float("nan")))
         else:
             mailbox_base = mailbox.iterator.toint()
             counter = (token == 0) & (cluster_rank == 0) & (tidx == 0) & (spin_limit_ns > Int64(0))
             poisoned = protocol.poll_and_sum(
                 reduced, mailbox_base, stage, token, fragment, lane, True, tp, HC, capacity, hidden,
-                spin_limit_ns, error_flag, error_word, tp > 1, counter, m,
+                spin_limit_ns, error_flag, stage_state.iterator.toint(), poisoned, tp > 1, counter, m,
             )  # fmt: skip
             protocol.rearm_slots(
                 mailbox_base, stage, token, token, fragment, lane, poisoned == Boolean(False), 1, tp, HC, capacity,

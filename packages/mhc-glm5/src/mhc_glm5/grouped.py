@@ -138,21 +138,18 @@ class GroupBoundaryKernel(BoundaryKernel):
         cute.arch.barrier()
 
         # Polled before the PDL wait; the wait comes before the first output store (``boundary``).
-        stage = protocol.stage_before_wait(stage_state)
-        error_word = protocol.error_address(stage_state)
+        stage, poisoned = protocol.stage_before_wait(stage_state)
         polled = Boolean(True)
-        poisoned = Boolean(False)
         if from_x:
             polled = Boolean(False)
-            if protocol.is_poisoned(error_word):
+            if poisoned:
                 kept.fill(Uint32(NAN_BF16_PAIR))
-                poisoned = Boolean(True)
         else:
             mailbox_base = mailbox.iterator.toint()
             counter = (group == 0) & (cluster_rank == 0) & (tidx == 0) & (spin_limit_ns > Int64(0))
             poisoned = protocol.poll_slots(
                 kept, mailbox_base, stage, first, last, fragment, lane, True, tokens, tp, HC, capacity, hidden,
-                spin_limit_ns, error_flag, error_word, 1, 0, tp > 1, counter, m,
+                spin_limit_ns, error_flag, stage_state.iterator.toint(), poisoned, 1, 0, tp > 1, counter, m,
             )  # fmt: skip
             # Lanes leave the poll at different times; the shuffles below need the warp converged.
             cute.arch.sync_warp()

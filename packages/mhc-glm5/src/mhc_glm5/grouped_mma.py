@@ -231,14 +231,9 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
             gamma_words[k, None].store(ptx.load_u32x4(gamma.toint() + column * 2))
 
         # Polled before the PDL wait; the wait comes before the first output store (``boundary``).
-        stage = protocol.stage_before_wait(stage_state)
+        stage, poisoned = protocol.stage_before_wait(stage_state)
         mailbox_base = mailbox.iterator.toint()
-        error_word = protocol.error_address(stage_state)
         polled = Boolean(True)
-        poisoned = Boolean(False)
-        if from_x:
-            # Loaded now, used with x (``boundary.poison_direct``: a set word reads x as NaN).
-            poisoned = protocol.is_poisoned(error_word)
         counter = (group == 0) & (cluster_rank == 0) & (tidx == 0) & (spin_limit_ns > Int64(0))
         squares = cute.make_rmem_tensor(cute.make_layout((halves,)), Float32)
         for h in cutlass.range_constexpr(halves):
@@ -251,8 +246,8 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
                 # One thread polls every rank of its two fragments (fragment step 4, rank lanes 1).
                 half_poisoned = protocol.poll_slots(
                     kept[h], mailbox_base, stage, token, token, first_fragment + q, Int32(0), active, LANE_FRAGMENTS,
-                    tp, 1, capacity, hidden, spin_limit_ns, error_flag, error_word, 0, HC, tp > 1 and h == 0, counter,
-                    m,
+                    tp, 1, capacity, hidden, spin_limit_ns, error_flag, stage_state.iterator.toint(), poisoned, 0, HC,
+                    tp > 1 and h == 0, counter, m,
                 )  # fmt: skip
                 poisoned = poisoned | half_poisoned
                 protocol.rearm_slots(

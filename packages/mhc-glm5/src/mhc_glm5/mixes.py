@@ -8,7 +8,8 @@ on ``max_num_tokens``.
 
 The op launches it alongside the boundary: each thread polls its token's row of the
 hand-off buffer (``mhc_core.handoff``), where the boundary writes the raw mixes, re-arms
-it and keeps a copy in ``raw_out`` (the op's ``raw_mixes``). It does not read the op's error
+it and keeps a copy in ``raw_out`` (the op's ``raw_mixes``); ``state`` is the op's stage state,
+whose error word a hand-off timeout sets. It does not read the error
 word: a poisoned boundary still hands off its (NaN) raw mixes, so these outputs are NaN too.
 """
 
@@ -51,17 +52,15 @@ class MixesKernel(DeviceKernel):
             Param("comb_out", Ptr(Float32, 4)),
             Param("spin_limit_ns", Scalar(Int64)),
             Param("error_flag", Scalar(Int64)),
-            Param("error_word", Scalar(Int64)),
+            Param("state", Scalar(Int64)),
             Param("m", Scalar(Int32)),
             Param("stream", Stream()),
         )
 
     @cute.jit
-    def __call__(
-        self, mixes, raw_out, scale, base, post_out, comb_out, spin_limit_ns, error_flag, error_word, m, stream
-    ):
+    def __call__(self, mixes, raw_out, scale, base, post_out, comb_out, spin_limit_ns, error_flag, state, m, stream):
         threads = self.config.threads
-        self.kernel(mixes, raw_out, scale, base, post_out, comb_out, spin_limit_ns, error_flag, error_word, m).launch(
+        self.kernel(mixes, raw_out, scale, base, post_out, comb_out, spin_limit_ns, error_flag, state, m).launch(
             grid=((m + threads - 1) // threads, 1, 1), block=(threads, 1, 1), stream=stream
         )
 
@@ -76,7 +75,7 @@ class MixesKernel(DeviceKernel):
         comb_out: cute.Pointer,
         spin_limit_ns: Int64,
         error_flag: Int64,
-        error_word: Int64,
+        state: Int64,
         m: Int32,
     ):
         config = self.config
@@ -91,7 +90,7 @@ class MixesKernel(DeviceKernel):
         raw = cute.make_rmem_tensor(cute.make_layout((MIX,)), Float32)
         arrived = Boolean(False)
         if token < m:
-            arrived = handoff.wait_row(raw, rows, token, MIX, spin_limit_ns, error_flag, error_word)
+            arrived = handoff.wait_row(raw, rows, token, MIX, spin_limit_ns, error_flag, state)
             handoff.rearm_row(rows, token, MIX)
             handoff.write_row(raw_out.toint(), token, raw, MIX)
         # Tokens arrive at different times; a warp that ran each one's Sinkhorn as it arrived

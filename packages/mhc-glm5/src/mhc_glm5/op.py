@@ -31,7 +31,6 @@ from typing import Any
 import torch
 
 from mhc_core.compiler import kernel_from_spec
-from mhc_core.constants import ERROR_WORD
 from mhc_core.moe import MoEOutput
 from mhc_core.op import LamportOp, Plan, optional_output
 from mhc_core.publish import TRIGGER_AFTER_WAIT
@@ -212,7 +211,7 @@ class AllReduceMhcBoundary(LamportOp):
         spin = dict(
             spin_limit_ns=self.spin.handoff_limit_ns,
             error_flag=fixed["error_flag"],
-            error_word=self.mailbox.stage_state.data_ptr() + ERROR_WORD * 4,
+            state=self.mailbox.stage_state.data_ptr(),
         )
         self._mixes = self._bind(self._mixes_kernel, dict(spin, mixes=self._mixes_handoff, raw_out=self._raw_mixes))
 
