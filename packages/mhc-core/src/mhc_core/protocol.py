@@ -288,7 +288,9 @@ def poll_slots(
     counter = Boolean(counter)
     kept.fill(Uint32(0))
     poisoned = Boolean(poisoned)
-    dirty = (active | counter) & (poisoned == Boolean(False))
+    dirty = active & (poisoned == Boolean(False))
+    if cutlass.const_expr(counts):
+        dirty = (active | counter) & (poisoned == Boolean(False))
     started = Int64(0)
     seen = cute.make_rmem_tensor(cute.make_layout((tp,)), Uint32)
     seen.fill(Uint32(0))
@@ -299,7 +301,10 @@ def poll_slots(
             token = cutlass.min(first_token + t * token_step, last_token)
             for wave in cutlass.range_constexpr(waves):
                 source = lane + wave * lanes
-                if active & (source < tp):
+                polls = source < tp
+                if cutlass.const_expr(counts):
+                    polls = polls & active  # only the counter thread loops without a slot of its own
+                if polls:
                     words = ptx.load_volatile_u32x4(
                         mailbox + slot_bytes(stage, source, token, fragment + t * fragment_step, tp, capacity, hidden)
                     )

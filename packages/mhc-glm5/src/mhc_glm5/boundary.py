@@ -275,6 +275,9 @@ class BoundaryKernel(DeviceKernel):
 
         if (prefetch == Int32(0)) | from_x:
             cute.arch.griddepcontrol_wait()
+        # The stage and the error word first: the poll needs the stage, and a direct read's poison
+        # select the error word, so their load is in flight while the prologue is issued.
+        stage, poisoned = protocol.stage_before_wait(stage_state)
         fn_stage.arm(fn_barrier, fn_stage.slice_bytes(groups))
         # The barrier is initialised before any copy names it.
         cute.arch.barrier()
@@ -293,7 +296,6 @@ class BoundaryKernel(DeviceKernel):
 
         # Polled before the PDL wait (Lamport slots need no ordering); the wait comes before the
         # first output store, as an output may alias what the publish reads.
-        stage, poisoned = protocol.stage_before_wait(stage_state)
         polled = Boolean(True)
         reduced = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
         if from_x:

@@ -110,6 +110,9 @@ class GroupBoundaryKernel(BoundaryKernel):
 
         if (prefetch == Int32(0)) | from_x:
             cute.arch.griddepcontrol_wait()
+        # The stage and the error word first: the poll needs the stage, and a direct read's poison
+        # select the error word, so their load is in flight while the prologue is issued.
+        stage, poisoned = protocol.stage_before_wait(stage_state)
         # The post-mix's inputs are requested before fn (``mhc_glm5.boundary``).
         kept = cute.make_rmem_tensor(cute.make_layout((tokens, waves, 4), stride=(waves * 4, 4, 1)), Uint32)
         if from_x:
@@ -138,7 +141,6 @@ class GroupBoundaryKernel(BoundaryKernel):
         cute.arch.barrier()
 
         # Polled before the PDL wait; the wait comes before the first output store (``boundary``).
-        stage, poisoned = protocol.stage_before_wait(stage_state)
         polled = Boolean(True)
         if from_x:
             polled = Boolean(False)

@@ -192,6 +192,9 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
 
         if (prefetch == Int32(0)) | from_x:
             cute.arch.griddepcontrol_wait()
+        # The stage and the error word first: the poll needs the stage, and a direct read's poison
+        # select the error word, so their load is in flight while the prologue is issued.
+        stage, poisoned = protocol.stage_before_wait(stage_state)
         # What the post-mix needs is requested first (the streams, x when read directly, post /
         # comb), fn after it: the SM takes them in about that order. Both barriers are armed first.
         fn_stage.arm(staged_barrier, tokens * HC * fragments * 16)
@@ -231,7 +234,6 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
             gamma_words[k, None].store(ptx.load_u32x4(gamma.toint() + column * 2))
 
         # Polled before the PDL wait; the wait comes before the first output store (``boundary``).
-        stage, poisoned = protocol.stage_before_wait(stage_state)
         mailbox_base = mailbox.iterator.toint()
         polled = Boolean(True)
         counter = (group == 0) & (cluster_rank == 0) & (tidx == 0) & (spin_limit_ns > Int64(0))
