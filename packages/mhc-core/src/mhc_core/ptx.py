@@ -61,40 +61,32 @@ def element(values: cute.TensorSSA, k: int, *, loc=None, ip=None):
 
 
 # --------------------------------------------------------------------------- loads
-@dsl_user_op
-def load_u32x4(address: Int64, *, loc=None, ip=None) -> cute.TensorSSA:
-    """One 16-byte global load of 4 words (weights, residual streams, inputs)."""
-    result = llvm.inline_asm(
-        llvm.StructType.get_literal([T.i32()] * 4),
+def _load_words(text: str, count: int, address: Int64, volatile: bool, loc, ip) -> ir.Value:
+    """One global load of ``count`` words at ``address``, as an LLVM struct; a volatile one has side
+    effects and a memory clobber, which keep it inside a spin loop (a pure asm load would be
+    hoisted out of it, and the loop would never see a peer's store)."""
+    return llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * count),
         [_value(Int64(address), loc, ip)],
-        PTX_LOAD_U32X4,
-        "=r,=r,=r,=r,l",
-        has_side_effects=False,
+        text,
+        ",".join(["=r"] * count + ["l"] + (["~{memory}"] if volatile else [])),
+        has_side_effects=volatile,
         asm_dialect=0,
         loc=loc,
         ip=ip,
     )
-    return _words_ssa(result, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def load_u32x4(address: Int64, *, loc=None, ip=None) -> cute.TensorSSA:
+    """One 16-byte global load of 4 words (weights, residual streams, inputs)."""
+    return _words_ssa(_load_words(PTX_LOAD_U32X4, 4, address, False, loc, ip), loc=loc, ip=ip)
 
 
 @dsl_user_op
 def load_volatile_u32x4(address: Int64, *, loc=None, ip=None) -> cute.TensorSSA:
-    """A 16-byte volatile load for polling a mailbox slot.
-
-    Side effects and a memory clobber keep it inside the spin loop: a pure asm
-    load would be hoisted out of it and the loop would never see a peer's store.
-    """
-    result = llvm.inline_asm(
-        llvm.StructType.get_literal([T.i32()] * 4),
-        [_value(Int64(address), loc, ip)],
-        PTX_LOAD_VOLATILE_U32X4,
-        "=r,=r,=r,=r,l,~{memory}",
-        has_side_effects=True,
-        asm_dialect=0,
-        loc=loc,
-        ip=ip,
-    )
-    return _words_ssa(result, loc=loc, ip=ip)
+    """A 16-byte volatile load for polling a mailbox slot."""
+    return _words_ssa(_load_words(PTX_LOAD_VOLATILE_U32X4, 4, address, True, loc, ip), loc=loc, ip=ip)
 
 
 def _u32_at(text: str, address: Int64, loc, ip) -> Uint32:
@@ -122,16 +114,7 @@ def load_volatile_u32(address: Int64, *, loc=None, ip=None) -> Uint32:
 @dsl_user_op
 def load_volatile_u32x2(address: Int64, *, loc=None, ip=None) -> tuple:
     """A volatile 8-byte load of two words (a stage and the error word beside it: one request)."""
-    result = llvm.inline_asm(
-        llvm.StructType.get_literal([T.i32()] * 2),
-        [_value(Int64(address), loc, ip)],
-        PTX_LOAD_VOLATILE_U32X2,
-        "=r,=r,l,~{memory}",
-        has_side_effects=True,
-        asm_dialect=0,
-        loc=loc,
-        ip=ip,
-    )
+    result = _load_words(PTX_LOAD_VOLATILE_U32X2, 2, address, True, loc, ip)
     return tuple(Uint32(llvm.extractvalue(T.i32(), result, [k], loc=loc, ip=ip)) for k in range(2))
 
 

@@ -220,36 +220,13 @@ class FinalizePublishKernel(_PublishBase):
 
     @cute.jit
     def __call__(
-        self,
-        gemm2,
-        weights,
-        index,
-        shared,
-        rows,
-        check_routes,
-        error_flag,
-        stage_state,
-        destinations,
-        rank,
-        capacity,
-        token_check,
-        m,
-        stream,
-    ):
+        self, gemm2, weights, index, shared, rows, check_routes, error_flag, stage_state, destinations, rank,
+        capacity, token_check, m, stream,
+    ):  # fmt: skip
         self.kernel(
-            gemm2,
-            weights,
-            index,
-            shared,
-            rows,
-            check_routes,
-            error_flag,
-            stage_state,
-            destinations,
-            rank,
-            capacity,
-            token_check,
-        ).launch(grid=self._grid(m), block=(self.config.threads, 1, 1), stream=stream, use_pdl=True)
+            gemm2, weights, index, shared, rows, check_routes, error_flag, stage_state, destinations, rank,
+            capacity, token_check,
+        ).launch(grid=self._grid(m), block=(self.config.threads, 1, 1), stream=stream, use_pdl=True)  # fmt: skip
 
     @cute.kernel
     def kernel(
