@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from . import protocol
+from . import library, protocol
 from .compiler import CompiledKernel, DeviceKernel, compile_kernel, device_arch
 from .groups import SUPPORTED_TP, normalize_device, resolve_group
 from .mailbox import LamportMailbox, resolve_transport
@@ -116,6 +116,8 @@ class LamportOp:
         self.mailbox = LamportMailbox(
             self.group, capacity=self.capacity, hidden=self.hidden_size, device=self.device, transport=self.transport
         )
+        #: This op in the ``torch.ops.mhc`` custom ops (``mhc_core.library``), with ``state``.
+        self.handle = library.register(self)
         self._order.own(self.mailbox.stage_state, self.mailbox.destinations)
         if self.group.kind == "none":
             self._order.own(self.mailbox.memory)  # a loopback group owns its ranks' mailboxes
@@ -228,6 +230,13 @@ class LamportOp:
         )
 
     # --------------------------------------------------------------- public API
+    @property
+    def state(self) -> torch.Tensor:
+        """The int32 stage state the kernels advance (and poison): what the ``torch.ops.mhc`` custom
+        ops declare mutated, so a compiled graph keeps every call, in order (``mhc_core.library``)."""
+        assert self.mailbox is not None, "the op is not built yet"
+        return self.mailbox.stage_state
+
     def check(self) -> None:
         """Raise any error a kernel reported (spin timeout, bad route index)."""
         self.spin.check()

@@ -17,6 +17,7 @@ from mhc_core.op import LamportOp, Plan, optional_output
 from mhc_core.publish import TRIGGER_AFTER_STORES
 from mhc_core.validation import check_int, check_positive_float, check_tensor
 
+from . import library  # noqa: F401  (registers the mhc::dsv41_* custom ops)
 from .config import DSV41Preset, default_geometry
 from .kernel import LamportMHCKernel, MHCConfig
 

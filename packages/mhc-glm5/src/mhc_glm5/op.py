@@ -38,6 +38,7 @@ from mhc_core.signature import BoundKernel
 from mhc_core.streams import SideWork, current_capture
 from mhc_core.validation import check_int, check_tensor
 
+from . import library  # noqa: F401  (registers the mhc::glm5_* custom ops)
 from .config import HC, MIX, GLM5Preset, thresholds_from_mapping
 
 Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]

@@ -1,0 +1,142 @@
+"""torch.library custom ops of GLM-5.3's boundary (namespace ``mhc``; see ``mhc_core.library``).
+
+``mhc::glm5_boundary`` is ``AllReduceMhcBoundary.__call__`` (``mhc::glm5_boundary_moe`` with MoE
+input, ``mhc::glm5_collect`` phase two after ``mhc::publish``): it returns ``(residual_out,
+layer_input)``, complete when it returns, and leaves the post-mix and residual mix to the side
+stream. ``mhc::glm5_join`` makes the current stream wait for them and returns ``(post_out
+[M, 4, 1], comb_out [M, 4, 4])`` FP32: their only source, so a compiled graph cannot use them
+before the join, and the side-stream kernel still overlaps whatever the graph runs between
+the boundary and the join. Every op takes the op's state (mutated: the calls keep their order)
+and handle; ``boundary`` / ``collect`` / ``join`` below take the op itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mhc_core import library
+
+from .config import HC
+
+#: Per handle, the side-stream outputs of the last boundary call, until its join.
+_UNJOINED: dict[int, tuple[Tensor, Tensor]] = {}
+
+
+def _fused(handle: int, outputs: tuple[Tensor, Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    residual_out, post_out, comb_out, layer_input = outputs
+    _UNJOINED[handle] = (post_out, comb_out)
+    return residual_out, layer_input
+
+
+@torch.library.custom_op("mhc::glm5_boundary", mutates_args=("state",), device_types="cuda")
+def glm5_boundary(
+    state: Tensor,
+    handle: int,
+    x: Tensor,
+    residual: Tensor,
+    post: Tensor,
+    comb: Tensor,
+    fn: Tensor,
+    scale: Tensor,
+    base: Tensor,
+    norm_weight: Tensor,
+) -> tuple[Tensor, Tensor]:
+    return _fused(handle, library.lookup(handle)(x, residual, post, comb, fn, scale, base, norm_weight))
+
+
+@glm5_boundary.register_fake
+def _(state, handle, x, residual, post, comb, fn, scale, base, norm_weight):
+    return torch.empty_like(residual), torch.empty_like(x)
+
+
+@torch.library.custom_op("mhc::glm5_boundary_moe", mutates_args=("state",), device_types="cuda")
+def glm5_boundary_moe(
+    state: Tensor,
+    handle: int,
+    gemm2_permuted: Tensor,
+    expert_weights: Tensor,
+    index: Tensor,
+    shared_output: Tensor,
+    residual: Tensor,
+    post: Tensor,
+    comb: Tensor,
+    fn: Tensor,
+    scale: Tensor,
+    base: Tensor,
+    norm_weight: Tensor,
+) -> tuple[Tensor, Tensor]:
+    from mhc_core.moe import MoEOutput
+
+    moe = MoEOutput(gemm2_permuted, expert_weights, index, shared_output)
+    return _fused(handle, library.lookup(handle)(moe, residual, post, comb, fn, scale, base, norm_weight))
+
+
+@glm5_boundary_moe.register_fake
+def _(state, handle, gemm2_permuted, expert_weights, index, shared_output, residual, post, comb, fn, scale, base,
+      norm_weight):  # fmt: skip
+    return torch.empty_like(residual), torch.empty_like(shared_output)
+
+
+@torch.library.custom_op("mhc::glm5_collect", mutates_args=("state",), device_types="cuda")
+def glm5_collect(
+    state: Tensor,
+    handle: int,
+    residual: Tensor,
+    post: Tensor,
+    comb: Tensor,
+    fn: Tensor,
+    scale: Tensor,
+    base: Tensor,
+    norm_weight: Tensor,
+) -> tuple[Tensor, Tensor]:
+    return _fused(handle, library.lookup(handle).collect(residual, post, comb, fn, scale, base, norm_weight))
+
+
+@glm5_collect.register_fake
+def _(state, handle, residual, post, comb, fn, scale, base, norm_weight):
+    return torch.empty_like(residual), residual.new_empty(residual.shape[0], residual.shape[2])
+
+
+@torch.library.custom_op("mhc::glm5_join", mutates_args=("state",), device_types="cuda")
+def glm5_join(state: Tensor, handle: int, residual_out: Tensor) -> tuple[Tensor, Tensor]:
+    """``residual_out``: the boundary call's first output (it gives M, and orders the join after it)."""
+    op = library.lookup(handle)
+    unjoined = _UNJOINED.pop(handle, None)
+    if unjoined is None:
+        raise RuntimeError(f"mhc::glm5_join: op handle {handle} has no boundary call to join")
+    op.join()
+    return unjoined
+
+
+@glm5_join.register_fake
+def _(state, handle, residual_out):
+    m = residual_out.shape[0]
+    return residual_out.new_empty(m, HC, 1, dtype=torch.float32), residual_out.new_empty(m, HC, HC, dtype=torch.float32)
+
+
+def boundary(op: Any, x: Any, residual: Tensor, post: Tensor, comb: Tensor, fn: Tensor, scale: Tensor, base: Tensor,
+             norm_weight: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``op(x, ...)`` of an ``AllReduceMhcBoundary`` through the custom ops (``x``: a tensor or a
+    ``MoEOutput``): ``(residual_out, layer_input)``; ``join`` gives ``(post_out, comb_out)``."""
+    from mhc_core.moe import MoEOutput
+
+    if isinstance(x, MoEOutput):
+        return torch.ops.mhc.glm5_boundary_moe(
+            op.state, op.handle, x.gemm2_permuted, x.expert_weights, x.expanded_idx_to_permuted_idx, x.shared_output,
+            residual, post, comb, fn, scale, base, norm_weight,
+        )  # fmt: skip
+    return torch.ops.mhc.glm5_boundary(op.state, op.handle, x, residual, post, comb, fn, scale, base, norm_weight)
+
+
+def collect(op: Any, residual: Tensor, post: Tensor, comb: Tensor, fn: Tensor, scale: Tensor, base: Tensor,
+            norm_weight: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``op.collect(...)`` through the custom ops (after ``mhc_core.library.publish_input``)."""
+    return torch.ops.mhc.glm5_collect(op.state, op.handle, residual, post, comb, fn, scale, base, norm_weight)
+
+
+def join(op: Any, residual_out: Tensor) -> tuple[Tensor, Tensor]:
+    """``(post_out, comb_out)`` of the op's last boundary call, once the current stream waits for them."""
+    return torch.ops.mhc.glm5_join(op.state, op.handle, residual_out)
