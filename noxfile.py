@@ -27,6 +27,8 @@ DSL = "nvidia-cutlass-dsl==4.8.1"
 # several GB; 2.13.0 is the CPU build that lies on their disk (pip's find-links), and any host
 # where it is not on disk gets 2.13.0 from PyPI. Override with MHC_TORCH="torch==X.Y.Z".
 TORCH = os.environ.get("MHC_TORCH", "torch==2.13.0")
+#: 1.27: PEP 639 metadata (License-Expression, license-files), as the pyprojects' build-system asks.
+HATCHLING = "hatchling>=1.27"
 #: NVLink multicast stays off unless asked for (it is opt-in and compile-checked only).
 NO_MULTICAST = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
 MULTICAST = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "0", "NCCL_NVLS_ENABLE": "1", "NVSHMEM_DISABLE_NVLS": "0"}
@@ -44,7 +46,7 @@ def _source_path() -> dict[str, str]:
 
 def _install_runtime(session: nox.Session, *packages: str) -> None:
     """torch, the DSL, the test tools, then the given packages editable (in dependency order)."""
-    session.install(TORCH, DSL, "pytest", "jinja2", "hatchling", "ruff")
+    session.install(TORCH, DSL, "pytest", "jinja2", HATCHLING, "ruff")
     editable = []
     for package in packages:
         editable += ["-e", f"packages/{package}"]
@@ -70,7 +72,7 @@ def lint(session: nox.Session) -> None:
 @nox.session(tags=["build"])
 def build(session: nox.Session) -> None:
     """Generate, compile every preset's kernels for its archs (no GPU), build the three wheels into dist/."""
-    session.install(TORCH, DSL, "numpy", "jinja2", "hatchling", "build")
+    session.install(TORCH, DSL, "numpy", "jinja2", HATCHLING, "build")
     session.run("python", "-m", "codegen")
     session.run("python", "-m", "tools.compile_presets", *session.posargs)
     for package in PACKAGES:

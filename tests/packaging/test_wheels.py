@@ -1,11 +1,17 @@
-"""Each package builds a wheel that declares its pins and ships py.typed (and the generated presets)."""
+"""Each package builds a wheel that declares its pins, license and extras, ships py.typed (and the
+generated presets) and installs with the README's command."""
 
 from __future__ import annotations
 
 import email.parser
+import hashlib
+import importlib.metadata
+import os
 import re
+import shutil
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -13,14 +19,24 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DSL = "nvidia-cutlass-dsl==4.8.1"
+#: 2.11: the GPU hosts' torch (2.11.0+cu130); below 2.14: 2.13.0, CI's, is the newest run (private symm_mem API).
+TORCH = "torch>=2.11,<2.14"
 PACKAGES = {
     # distribution: (import name, pins its METADATA must declare)
-    "mhc-core": ("mhc_core", {DSL, "torch", "numpy"}),  # numpy: mhc_core.spin uses Tensor.numpy()
-    "mhc-dsv41": ("mhc_dsv41", {"mhc-core~=0.3.0", DSL, "torch"}),
-    "mhc-glm5": ("mhc_glm5", {"mhc-core~=0.3.0", DSL, "torch"}),  # 0.3.0: error word, header, token_check
+    "mhc-core": ("mhc_core", {DSL, TORCH, "numpy"}),  # numpy: mhc_core.spin uses Tensor.numpy()
+    "mhc-dsv41": ("mhc_dsv41", {"mhc-core~=0.3.0", DSL, TORCH}),
+    "mhc-glm5": ("mhc_glm5", {"mhc-core~=0.3.0", DSL, TORCH}),  # 0.3.0: error word, header, token_check
+}
+#: Every package's extras: the DSL's CUDA 12 / CUDA 13 libraries (the DSL always brings cu12's).
+EXTRAS = {
+    "cu12": {'nvidia-cutlass-dsl-libs-cu12==4.8.1; extra == "cu12"'},
+    "cu13": {'nvidia-cutlass-dsl-libs-cu13==4.8.1; extra == "cu13"'},
 }
 #: Each package's own version (its __init__); bumped when its kernels or API change.
 VERSIONS = {"mhc-core": "0.3.0", "mhc-dsv41": "0.2.0", "mhc-glm5": "0.6.0"}
+LICENSE = ROOT / "LICENSE"
+#: sha256 of https://www.apache.org/licenses/LICENSE-2.0.txt (11,358 bytes).
+APACHE_2_0_SHA256 = "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
 
 BUILD = """
 import sys
@@ -61,13 +77,22 @@ def metadata(wheel: Path) -> email.message.Message:
         return email.parser.Parser().parsestr(archive.read(name).decode())
 
 
+def normal(pin: str) -> str:
+    """A requirement in one spelling (hatchling sorts the specifiers and quotes markers its own way)."""
+    from packaging.requirements import Requirement  # hatchling's dependency, like the wheels themselves
+
+    return str(Requirement(pin))
+
+
 @pytest.mark.parametrize("package", PACKAGES)
 def test_metadata(package: str, wheels: dict[str, Path]) -> None:
     meta = metadata(wheels[package])
     assert meta["Name"] == package
     assert meta["Version"] == version_of(package) == VERSIONS[package]
     assert meta["Requires-Python"] == ">=3.11"
-    assert set(meta.get_all("Requires-Dist")) == PACKAGES[package][1]
+    expected = PACKAGES[package][1].union(*EXTRAS.values())
+    assert {normal(pin) for pin in meta.get_all("Requires-Dist")} == {normal(pin) for pin in expected}
+    assert set(meta.get_all("Provides-Extra")) == set(EXTRAS)
     assert wheels[package].name == f"{PACKAGES[package][0]}-{VERSIONS[package]}-py3-none-any.whl"
 
 
@@ -91,3 +116,110 @@ def test_presets_are_shipped(package: str, wheels: dict[str, Path]) -> None:
     assert len(generated) > 1, "no generated presets: run python3 -m codegen"
     for path in generated:
         assert f"{module}/presets/{path.name}" in names
+
+
+def test_license_text() -> None:
+    """The repository's and every package's LICENSE: the Apache License 2.0, unmodified."""
+    text = LICENSE.read_text()
+    assert text.lstrip().startswith("Apache License\n                           Version 2.0, January 2004")
+    assert "END OF TERMS AND CONDITIONS" in text
+    assert hashlib.sha256(LICENSE.read_bytes()).hexdigest() == APACHE_2_0_SHA256
+    for package in PACKAGES:
+        assert (ROOT / "packages" / package / "LICENSE").read_bytes() == LICENSE.read_bytes(), package
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_license(package: str, wheels: dict[str, Path]) -> None:
+    """PEP 639: the SPDX expression in METADATA and the LICENSE file in the dist-info."""
+    meta = metadata(wheels[package])
+    assert meta["License-Expression"] == "Apache-2.0"
+    assert meta.get_all("License-File") == ["LICENSE"]
+    assert meta["License"] is None  # the expression replaces the legacy field
+    with zipfile.ZipFile(wheels[package]) as archive:
+        shipped = archive.read(f"{PACKAGES[package][0]}-{VERSIONS[package]}.dist-info/licenses/LICENSE")
+    assert shipped == LICENSE.read_bytes()
+
+
+#: The README's install commands ("Install"), run as written from a folder whose dist/ holds the wheels.
+INSTALL_ALL = "python3 -m pip install dist/*.whl"
+INSTALL_ONE = "python3 -m pip install dist/mhc_core-*.whl dist/mhc_dsv41-*.whl"
+IMPORTS = {
+    INSTALL_ALL: ["mhc-core", "mhc-dsv41", "mhc-glm5"],
+    INSTALL_ONE: ["mhc-core", "mhc-dsv41"],
+}
+#: Classes whose first use loads torch and the DSL: the dependencies resolve in the new venv too.
+CLASSES = {"mhc_core": "LamportAllReduce", "mhc_dsv41": "AllReduceMHC", "mhc_glm5": "AllReduceMhcBoundary"}
+CHECK = """
+import sys, {modules}
+for module in ({modules},):
+    assert module.__file__.startswith(sys.argv[1]), module.__file__
+{classes}
+assert "torch" in sys.modules and "cutlass" in sys.modules
+print("imported", {versions})
+"""
+
+
+def fresh_venv(path: Path) -> tuple[Path, dict[str, str]]:
+    """A new venv, and the environment that puts it first on PATH.
+
+    It reuses the torch and DSL already installed instead of downloading them (several GB on a GPU
+    host): ``--system-site-packages`` sees the base interpreter's, and where this test runs inside a
+    venv itself (nox's) a .pth file adds that venv's site-packages, through ``site.addsitedir`` so
+    that the DSL's own .pth file is read too. ``--without-pip``: a Python 3.11 venv would get its own
+    pip and setuptools 65, which hides the installed setuptools and turns torch's
+    ``setuptools>=77.0.3`` into a download; ``python3 -m pip`` is then the pip of those site packages,
+    installing into the new venv. ``PIP_NO_INDEX``: nothing may come from an index (CI is offline).
+    """
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(path)], check=True)
+    python = path / "bin" / "python3"
+    purelib = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    if sys.prefix != sys.base_prefix:
+        parents = dict.fromkeys(sysconfig.get_paths()[key] for key in ("purelib", "platlib"))
+        lines = "".join(f"import site; site.addsitedir({parent!r})\n" for parent in parents)
+        (Path(purelib) / "_mhc_test_parent_env.pth").write_text(lines)
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "PYTHONHOME")}
+    env.update(
+        PATH=os.pathsep.join([str(path / "bin"), env.get("PATH", "")]),
+        VIRTUAL_ENV=str(path),
+        PIP_NO_INDEX="1",
+        PIP_DISABLE_PIP_VERSION_CHECK="1",
+        PYTHONNOUSERSITE="1",
+    )
+    return Path(purelib), env
+
+
+@pytest.mark.parametrize("command", [INSTALL_ALL, INSTALL_ONE], ids=["all", "one-model"])
+def test_readme_install(command: str, wheels: dict[str, Path], tmp_path: Path) -> None:
+    """The README's command installs the wheels from dist/ (mhc-core from its wheel, not an index)."""
+    assert f"\n{command}\n" in (ROOT / "README.md").read_text(), "the README no longer gives this command"
+    if sys.platform == "win32":
+        pytest.skip("the venv layout and the shell glob are POSIX")
+    for dependency in ("torch", "nvidia-cutlass-dsl", "numpy", "pip"):
+        try:
+            importlib.metadata.version(dependency)
+        except importlib.metadata.PackageNotFoundError:  # e.g. the DSL unpacked onto PYTHONPATH on a GPU host
+            pytest.skip(f"{dependency} is not installed as a distribution: pip could not reuse it offline")
+    (tmp_path / "dist").mkdir()
+    for wheel in wheels.values():
+        shutil.copy(wheel, tmp_path / "dist")
+    purelib, env = fresh_venv(tmp_path / "venv")
+    install = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert install.returncode == 0, install.stdout + install.stderr
+    packages = IMPORTS[command]
+    installed = sorted(path.name for path in purelib.glob("mhc_*.dist-info"))
+    assert installed == [f"{PACKAGES[package][0]}-{VERSIONS[package]}.dist-info" for package in packages]
+    modules = [PACKAGES[package][0] for package in packages]
+    code = CHECK.format(
+        modules=", ".join(modules),
+        classes="\n".join(f"{module}.{CLASSES[module]}" for module in modules),
+        versions=", ".join(f"{module}.__version__" for module in modules),
+    )
+    python = tmp_path / "venv" / "bin" / "python3"
+    check = subprocess.run([python, "-c", code, str(purelib)], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+    assert check.stdout.split() == ["imported", *(VERSIONS[package] for package in packages)]
