@@ -250,7 +250,7 @@ def spin_bound(ctx: Context, ms: list[int]) -> list[Record]:
     and at loopback tp 2 (both ranks' kernels on this GPU, one stream, ``run_ranks``; with the
     bound on, tp 2 also checks every rank's M). One process, one GPU: not under torchrun."""
     from mhc_core import LoopbackGroup, run_ranks
-    from mhc_core.spin import DEFAULT_SPIN_TIMEOUT_MS
+    from mhc_core.host.spin import DEFAULT_SPIN_TIMEOUT_MS
     from mhc_dsv41 import AllReduceMHC
     from mhc_glm5 import AllReduceMhcBoundary
 

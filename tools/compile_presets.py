@@ -3,7 +3,7 @@
     python3 -m tools.compile_presets [--arch A ...] [--preset NAME ...] [--model dsv41|glm5]
 
 The kernels come from the generated preset modules (``<package>.presets``,
-``kernels(arch)``); ``mhc_core.compiler.compile_kernel(kernel, arch, inspect=True)``
+``kernels(arch)``); ``mhc_core.host.compiler.compile_kernel(kernel, arch, inspect=True)``
 passes ``--gpu-arch`` so no GPU is needed. A kernel config met again on the same
 arch is compiled once; its later rows say "same as" the first. A kernel class that
 does not exist yet is reported once ("not implemented yet") and gets no row.
@@ -64,7 +64,7 @@ class Job:
 @dataclass
 class Row:
     job: Job
-    report: Any  # mhc_core.compiler.CompileReport
+    report: Any  # mhc_core.host.compiler.CompileReport
     same_as: Job | None = None
 
 
@@ -180,8 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     ensure_importable()
 
-    from mhc_core.compiler import compile_kernel
     from mhc_core.constants import SUPPORTED_ARCHS
+    from mhc_core.host.compiler import compile_kernel
 
     unknown_archs = [arch for arch in args.arch if arch not in SUPPORTED_ARCHS]
     if unknown_archs:

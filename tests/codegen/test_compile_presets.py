@@ -12,13 +12,16 @@ import pytest
 from tests.codegen.support import ROOT
 from tools import compile_presets
 
-PUBLISH = ("mhc_core.publish:PublishKernel", {"hidden": 1024, "tp": 2, "threads": 128, "trigger": "after_stores"})
+PUBLISH = (
+    "mhc_core.device.publish:PublishKernel",
+    {"hidden": 1024, "tp": 2, "threads": 128, "trigger": "after_stores"},
+)
 LATER = "mhc_core.not_written_yet:FutureKernel"
 
 
 def fake_preset(tp: int) -> SimpleNamespace:
     """A generated module's surface: PRESET.archs, GEOMETRY, KERNELS, kernels(arch, names)."""
-    from mhc_core.compiler import kernel_from_spec
+    from mhc_core.host.compiler import kernel_from_spec
 
     specs: dict[str, tuple[str, dict[str, Any]]] = {
         "publish": (PUBLISH[0], {**PUBLISH[1], "store": "unicast"}),
@@ -57,8 +60,8 @@ def test_dedupes_and_skips_missing_classes(monkeypatch: pytest.MonkeyPatch, caps
 def test_missing_class() -> None:
     assert compile_presets.missing_class("mhc_core.not_written_yet:FutureKernel")
     assert compile_presets.missing_class("mhc_nothing.kernel:Kernel")
-    assert compile_presets.missing_class("mhc_core.publish:NoSuchKernel")
-    assert not compile_presets.missing_class("mhc_core.publish:PublishKernel")
+    assert compile_presets.missing_class("mhc_core.device.publish:NoSuchKernel")
+    assert not compile_presets.missing_class("mhc_core.device.publish:PublishKernel")
 
 
 def test_dynamic_shared_memory_comes_from_the_geometry() -> None:

@@ -302,7 +302,7 @@ def test_new_preset_is_importable(work: tuple[Path, Path], capsys: pytest.Captur
 
 def test_kernels_are_built_from_the_module() -> None:
     """``kernels(arch)`` makes the listed kernel objects (no compile); other archs are refused."""
-    from mhc_core.compiler import DeviceKernel
+    from mhc_core.device.kernel import DeviceKernel
     from mhc_dsv41.presets import get
 
     module = get("h200-tp2-h5120")

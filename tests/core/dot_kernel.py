@@ -5,9 +5,9 @@ from __future__ import annotations
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
-from mhc_core import ptx
-from mhc_core.compiler import DeviceKernel
-from mhc_core.signature import Param, Ptr, Scalar, Signature, Stream
+from mhc_core.device import ptx
+from mhc_core.device.kernel import DeviceKernel
+from mhc_core.device.signature import Param, Ptr, Scalar, Signature, Stream
 
 
 class DotKernel(DeviceKernel):

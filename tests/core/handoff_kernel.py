@@ -1,4 +1,4 @@
-"""One thread per row around ``mhc_core.handoff``, for the PTX and GPU tests of both sides."""
+"""One thread per row around ``mhc_core.device.handoff``, for the PTX and GPU tests of both sides."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from mhc_core import handoff
-from mhc_core.compiler import DeviceKernel
-from mhc_core.signature import Param, Ptr, Scalar, Signature, Stream
+from mhc_core.device import handoff
+from mhc_core.device.kernel import DeviceKernel
+from mhc_core.device.signature import Param, Ptr, Scalar, Signature, Stream
 
 WIDTH = 8
 

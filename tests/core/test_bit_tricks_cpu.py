@@ -1,4 +1,4 @@
-"""The BF16 -0 bit tricks on all 65536 patterns, through an integer mirror of ``mhc_core.ptx``.
+"""The BF16 -0 bit tricks on all 65536 patterns, through an integer mirror of ``mhc_core.device.ptx``.
 
 The mirror uses the primitives' own constants and the same expression; the GPU
 suite runs the compiled code itself over the same patterns.
@@ -12,14 +12,14 @@ import pytest
 
 def marks(words: np.ndarray) -> np.ndarray:
     from mhc_core.constants import MAGNITUDE_BF16_PAIR
-    from mhc_core.ptx import SIGN_BF16_PAIR
+    from mhc_core.device.ptx import SIGN_BF16_PAIR
 
     flipped = words ^ np.uint32(SIGN_BF16_PAIR)
     return ((flipped & np.uint32(MAGNITUDE_BF16_PAIR)) + np.uint32(MAGNITUDE_BF16_PAIR)) | flipped
 
 
 def has_negative_zero(words: np.ndarray) -> np.ndarray:
-    from mhc_core.ptx import SIGN_BF16_PAIR
+    from mhc_core.device.ptx import SIGN_BF16_PAIR
 
     return ((marks(words) ^ np.uint32(SIGN_BF16_PAIR)) & np.uint32(SIGN_BF16_PAIR)) != 0
 
@@ -57,7 +57,7 @@ def test_fp32_negative_zero() -> None:
     """The same expression on FP32 words (the hand-off rows): only 0x80000000 is -0; sanitising
     changes it alone. Every pattern of the high half with four low halves, plus random words."""
     from mhc_core.constants import NEGATIVE_ZERO_F32
-    from mhc_core.ptx import MAGNITUDE_F32, SIGN_F32
+    from mhc_core.device.ptx import MAGNITUDE_F32, SIGN_F32
 
     def f32_marks(words: np.ndarray) -> np.ndarray:
         flipped = words ^ np.uint32(SIGN_F32)

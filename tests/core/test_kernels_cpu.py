@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def compiled(kernel, arch):
-    from mhc_core.compiler import compile_kernel
+    from mhc_core.host.compiler import compile_kernel
 
     result = compile_kernel(kernel, arch, inspect=True)
     assert result.ptx, "no PTX kept"
@@ -28,7 +28,7 @@ def compiled(kernel, arch):
 
 
 def publish(store="unicast", trigger="after_stores", top_k=0, weights="float32", hidden=4608, tp=4):
-    from mhc_core.publish import FinalizePublishKernel, PublishConfig, PublishKernel
+    from mhc_core.device.publish import FinalizePublishKernel, PublishConfig, PublishKernel
 
     config = PublishConfig(hidden=hidden, tp=tp, store=store, trigger=trigger, top_k=top_k, weights=weights)
     return (FinalizePublishKernel if top_k else PublishKernel)(config)
@@ -77,7 +77,7 @@ def test_finalize_publish(arch: str, weights: str, store: str) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("tp,lanes", [(1, 1), (2, 1), (4, 1), (8, 1), (8, 2), (4, 4), (8, 8)])
 def test_collective(arch: str, tp: int, lanes: int) -> None:
-    from mhc_core.collective import CollectiveConfig, CollectiveKernel
+    from mhc_core.device.collective import CollectiveConfig, CollectiveKernel
 
     ptx = compiled(CollectiveKernel(CollectiveConfig(hidden=7168, tp=tp, lanes=lanes)), arch)
     assert polls_volatile_in_loop(ptx), "the poll's volatile loads must sit inside the spin loop"
@@ -88,7 +88,7 @@ def test_collective(arch: str, tp: int, lanes: int) -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_sinkhorn(arch: str) -> None:
-    from mhc_core.sinkhorn import SinkhornConfig, SinkhornKernel
+    from mhc_core.device.sinkhorn import SinkhornConfig, SinkhornKernel
 
     ptx = compiled(SinkhornKernel(SinkhornConfig(repeat=20)), arch)
     assert count(ptx, "rcp.approx") == 4 + 19 * 4 + 20 * 4
@@ -97,7 +97,7 @@ def test_sinkhorn(arch: str) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_dot_bf16x8_variants(arch: str) -> None:
     """sm_100+ uses fma.rn.f32.bf16; sm_90a the exact unpack + fma.rn.f32 (ptxas rejects the former)."""
-    from mhc_core.compiler import arch_has_mixed_bf16_fma
+    from mhc_core.host.compiler import arch_has_mixed_bf16_fma
     from tests.core.dot_kernel import DotKernel
 
     ptx = compiled(DotKernel(arch_has_mixed_bf16_fma(arch)), arch)
@@ -130,12 +130,12 @@ def string_literals(tree: ast.AST) -> list[ast.Constant]:
 def test_no_ptx_text_outside_the_primitives_module() -> None:
     offenders = []
     for path in sorted((ROOT / "packages").glob("*/src/**/*.py")):
-        if path.name == "ptx.py" and path.parent.name == "mhc_core":
+        if path.name == "ptx.py" and path.parent.name == "device" and path.parent.parent.name == "mhc_core":
             continue
         for node in string_literals(ast.parse(path.read_text())):
             if PTX_PATTERN.search(node.value):
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value[:60]!r}")
-    assert not offenders, "PTX text outside mhc_core/ptx.py:\n" + "\n".join(offenders)
+    assert not offenders, "PTX text outside mhc_core/device/ptx.py:\n" + "\n".join(offenders)
 
 
 def test_the_ptx_check_sees_asm_strings() -> None:

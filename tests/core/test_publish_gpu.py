@@ -14,13 +14,13 @@ def test_multicast_addressing_through_local_debug_store() -> None:
     """The multicast kernel with its multimem store swapped for a local store writes each rank's
     fragment into slot [stage, rank, token] and nothing else (multicast itself never runs here)."""
     from mhc_core import LoopbackGroup
-    from mhc_core.compiler import compile_kernel, device_arch
-    from mhc_core.groups import MailboxMemory  # noqa: F401  (the layout the kernel addresses)
-    from mhc_core.mailbox import LamportMailbox
-    from mhc_core.protocol import STORE_MULTICAST_LOCAL
-    from mhc_core.publish import PublishConfig, PublishKernel
+    from mhc_core.device.protocol import STORE_MULTICAST_LOCAL
+    from mhc_core.device.publish import PublishConfig, PublishKernel
+    from mhc_core.host.compiler import compile_kernel, device_arch
+    from mhc_core.host.groups import MailboxMemory  # noqa: F401  (the layout the kernel addresses
+    from mhc_core.host.launch import BoundKernel
+    from mhc_core.host.mailbox import LamportMailbox
     from mhc_core.reference import sanitize
-    from mhc_core.signature import BoundKernel
 
     tp, hidden, capacity, m = 4, 4608, 8, 5
     group = LoopbackGroup(tp, "cuda")

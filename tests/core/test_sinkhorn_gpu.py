@@ -10,10 +10,10 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("repeat", (1, 20))
 def test_sinkhorn_device_function(repeat: int) -> None:
-    from mhc_core.compiler import compile_kernel, device_arch
+    from mhc_core.device.sinkhorn import SinkhornConfig, SinkhornKernel
+    from mhc_core.host.compiler import compile_kernel, device_arch
+    from mhc_core.host.launch import BoundKernel
     from mhc_core.reference import sinkhorn
-    from mhc_core.signature import BoundKernel
-    from mhc_core.sinkhorn import SinkhornConfig, SinkhornKernel
 
     kernel = SinkhornKernel(SinkhornConfig(repeat=repeat))
     compiled = compile_kernel(kernel, device_arch())

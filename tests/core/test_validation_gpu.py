@@ -114,6 +114,6 @@ def test_loopback_op_unusable_until_every_rank_built() -> None:
     with pytest.raises(RuntimeError, match=r"ranks \[1\] have not"):
         first(bf16_randn(1, 4096))
     second = LamportAllReduce(hidden_size=4096, max_num_tokens=4, device="cuda", group=group[1])
-    assert first._ready and second._ready
+    assert first.ready and second.ready
     assert "transport='unicast'" in repr(first) and "group='loopback'" in repr(first)
     assert "MiB per rank" in repr(first.mailbox)

@@ -14,7 +14,7 @@ BULK_COPY = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
 
 def boundary(arch: str, tokens: int, tp: int = 1, hidden: int = 4096):
     """The kernel an op serving ``tokens`` per cluster compiles (``config.grouped_kernel_path``)."""
-    from mhc_core.compiler import kernel_from_spec
+    from mhc_core.host.compiler import kernel_from_spec
     from mhc_glm5.config import grouped_kernel_path
 
     config = {
@@ -38,7 +38,7 @@ def check_protocol(ptx: str, polls: int = 1) -> None:
     """Every boundary: the stage read once (with the error word beside it), the poll spinning on
     volatile loads under the time bound before the PDL wait (which the kernels put before their
     output stores), one trigger, the stage moved on by the last arriving cluster, and the raw mixes
-    handed off with no fence (``mhc_core.handoff``). An empty poll round reads the error word again."""
+    handed off with no fence (``mhc_core.device.handoff``). An empty poll round reads the error word again."""
     assert polls_volatile_in_loop(ptx)
     assert count(ptx, "ld.volatile.global.v2.u32") == 1, "the stage and the error word, read once"
     assert count(ptx, "ld.volatile.global.u32") == polls, "the error word again, in each poll's empty rounds"

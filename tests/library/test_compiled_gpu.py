@@ -140,7 +140,7 @@ def test_manual_capture_of_the_compiled_function(model: str, name: str) -> None:
 @pytest.mark.parametrize("model", ["dsv41", "glm5"])
 def test_loopback_tp2_two_phase_compiled(model: str) -> None:
     """Loopback ranks share one stream: every rank publishes before any collects (the two-phase ops)."""
-    from mhc_core import library as core_library
+    from mhc_core.host import library as core_library
     from tests.support import run_ranks
 
     name = "h200-tp2-h5120" if model == "dsv41" else "h200-tp2-h4096"

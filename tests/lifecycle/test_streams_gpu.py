@@ -38,7 +38,7 @@ def ops_for(family: str) -> list:
 
 def build_without_compiling(family: str) -> list:
     """A second instance of ``ops_for(family)``'s configuration, with ``cute.compile`` refused."""
-    import mhc_core.compiler
+    import mhc_core.host.compiler
 
     ops_for(family)
 
@@ -46,7 +46,7 @@ def build_without_compiling(family: str) -> list:
         raise AssertionError("cute.compile called while building a second instance of a compiled configuration")
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(mhc_core.compiler.cute, "compile", refuse)
+        patch.setattr(mhc_core.host.compiler.cute, "compile", refuse)
         return build(family)
 
 

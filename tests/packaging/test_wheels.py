@@ -23,7 +23,7 @@ DSL = "nvidia-cutlass-dsl==4.8.1"
 TORCH = "torch>=2.11,<2.14"
 PACKAGES = {
     # distribution: (import name, pins its METADATA must declare)
-    "mhc-core": ("mhc_core", {DSL, TORCH, "numpy"}),  # numpy: mhc_core.spin uses Tensor.numpy()
+    "mhc-core": ("mhc_core", {DSL, TORCH, "numpy"}),  # numpy: mhc_core.host.spin uses Tensor.numpy()
     "mhc-dsv41": ("mhc_dsv41", {"mhc-core~=0.3.0", DSL, TORCH}),
     "mhc-glm5": ("mhc_glm5", {"mhc-core~=0.3.0", DSL, TORCH}),  # 0.3.0: error word, header, token_check
 }

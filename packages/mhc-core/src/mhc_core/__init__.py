@@ -1,5 +1,10 @@
 """mhc-core: the Lamport one-shot all-reduce protocol and what the fused mHC ops share.
 
+Layers: ``mhc_core.device`` (what runs in a kernel: primitives, protocol, reductions, the
+publish and collective kernels) and ``mhc_core.host`` (what builds, launches and orders them:
+ops, groups, mailbox, compiler, launch); pure-Python modules beside them (``constants``,
+``presets``, ``compat``) and the torch references (``reference``).
+
 Importing the package is cheap: the CuTe DSL and torch load when a kernel-facing
 name is first used (``mhc_core.LamportAllReduce``, ...), so pure-Python parts
 (``mhc_core.constants``, ``mhc_core.presets``) import without them.
@@ -13,21 +18,21 @@ from typing import Any
 __version__ = "0.3.0"
 
 _EXPORTS = {
-    "LamportAllReduce": "allreduce",
-    "lamport_all_reduce": "allreduce",
-    "LamportMailbox": "mailbox",
-    "LoopbackGroup": "groups",
-    "LoopbackRank": "groups",
-    "run_ranks": "groups",
-    "MoEOutput": "moe",
-    "LamportOp": "op",
-    "Plan": "op",
-    "LamportTimeoutError": "spin",
-    "RouteIndexError": "spin",
-    "TokenCountError": "spin",
-    "SpinGuard": "spin",
-    "compile_kernel": "compiler",
-    "device_arch": "compiler",
+    "LamportAllReduce": "host.allreduce",
+    "lamport_all_reduce": "host.allreduce",
+    "LamportMailbox": "host.mailbox",
+    "LoopbackGroup": "host.groups",
+    "LoopbackRank": "host.groups",
+    "run_ranks": "host.groups",
+    "MoEOutput": "host.moe",
+    "LamportOp": "host.op",
+    "Plan": "host.op",
+    "LamportTimeoutError": "host.spin",
+    "RouteIndexError": "host.spin",
+    "TokenCountError": "host.spin",
+    "SpinGuard": "host.spin",
+    "compile_kernel": "host.compiler",
+    "device_arch": "host.compiler",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -24,7 +24,7 @@ NEGATIVE_ZERO_BF16 = 0x8000
 NEGATIVE_ZERO_BF16_PAIR = 0x80008000
 #: Low 15 bits of both halves of a bf16x2 word.
 MAGNITUDE_BF16_PAIR = 0x7FFF7FFF
-#: FP32 negative zero, the empty sentinel of the side-stream hand-off rows (``mhc_core.handoff``).
+#: FP32 negative zero, the empty sentinel of the side-stream hand-off rows (``mhc_core.device.handoff``).
 NEGATIVE_ZERO_F32 = 0x80000000
 
 #: Architectures the kernels compile for.

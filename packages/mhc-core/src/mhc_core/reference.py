@@ -25,7 +25,7 @@ HC_GLM = 4
 
 # ----------------------------------------------------------------- all-reduce
 def tp_sum(partials: list[torch.Tensor], lanes: int = 1) -> torch.Tensor:
-    """FP32 sum of BF16 partials in the kernels' tree (``mhc_core.protocol``).
+    """FP32 sum of BF16 partials in the kernels' tree (``mhc_core.device.protocol``).
 
     Lane ``l`` adds ranks ``l, l + lanes, ...`` in order (a lane with no rank holds
     zero); an xor butterfly then combines the lanes: for lanes = 2 at tp = 4 that is
@@ -135,7 +135,7 @@ def sinkhorn(logits: torch.Tensor, eps: float, repeat: int) -> torch.Tensor:
 
     Per row ``c = exp(c - max) / ((e0 + e1) + (e2 + e3)) + eps``; then ``repeat``
     rounds, from the second on dividing each row by ``((c0 + c1) + (c2 + c3)) + eps``,
-    then each column likewise. The device function (``mhc_core.sinkhorn``) runs the same
+    then each column likewise. The device function (``mhc_core.device.sinkhorn``) runs the same
     rounds in scaling form with ``rcp.approx``: equal in exact math, rounded differently.
     """
     c = logits.float()

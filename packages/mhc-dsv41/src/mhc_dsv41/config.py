@@ -145,10 +145,10 @@ class DSV41Preset:
         """
         publish = {"hidden": self.hidden, "tp": self.tp, "threads": self.publish_threads, "trigger": "after_stores"}
         return {
-            "publish": ("mhc_core.publish:PublishKernel", {**publish, "store": "unicast"}),
-            "publish_multicast": ("mhc_core.publish:PublishKernel", {**publish, "store": "multicast"}),
+            "publish": ("mhc_core.device.publish:PublishKernel", {**publish, "store": "unicast"}),
+            "publish_multicast": ("mhc_core.device.publish:PublishKernel", {**publish, "store": "multicast"}),
             "finalize": (
-                "mhc_core.publish:FinalizePublishKernel",
+                "mhc_core.device.publish:FinalizePublishKernel",
                 {**publish, "store": "unicast", "top_k": self.top_k, "weights": "float32"},
             ),
             "collective": ("mhc_dsv41.kernel:LamportMHCKernel", self.collective_config()),

@@ -13,7 +13,7 @@ fragment, with ``x`` the all-reduced sublayer output rounded to BF16:
 Residual streams, weight and mixes are loaded before the PDL wait when the op
 says the kernel right before is a publish (``prefetch``); the slots are re-armed
 after reading and the next stage is set once per launch. Once the op is poisoned
-(``mhc_core.protocol``: an earlier kernel failed) the sums are NaN, so both outputs
+(``mhc_core.device.protocol``: an earlier kernel failed) the sums are NaN, so both outputs
 are, and nothing is re-armed or moved on.
 """
 
@@ -25,11 +25,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32, Int64, Uint32
 
-from mhc_core import protocol, ptx, reduce
-from mhc_core.collective import mailbox_params
-from mhc_core.compiler import DeviceKernel
 from mhc_core.constants import VEC_BF16, WARP_SIZE
-from mhc_core.signature import Param, Ptr, Scalar, Signature, Stream
+from mhc_core.device import protocol, ptx, reduce
+from mhc_core.device.collective import mailbox_params
+from mhc_core.device.kernel import DeviceKernel
+from mhc_core.device.signature import Param, Ptr, Scalar, Signature, Stream
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,7 +182,7 @@ class LamportMHCKernel(DeviceKernel):
         for trip in cutlass.range_constexpr(trips):
             fragment = base_fragment + trip * config.fragment_stride
             active = fragment < config.fragments
-            # The grid's first thread also checks every rank's M (trip 0, spin bound on; ``mhc_core.protocol``).
+            # The grid's first thread also checks every rank's M (trip 0, spin bound on; ``mhc_core.device.protocol``).
             poisoned = protocol.poll_and_sum(
                 total, mailbox_base, stage, token, fragment, lane, active, tp, lanes, capacity, hidden,
                 spin_limit_ns, error_flag, state, poisoned, tp > 1 and trip == 0,

@@ -1,4 +1,4 @@
-"""torch.library custom ops of DSV4.1's boundary (namespace ``mhc``; see ``mhc_core.library``).
+"""torch.library custom ops of DSV4.1's boundary (namespace ``mhc``; see ``mhc_core.host.library``).
 
 ``mhc::dsv41_boundary`` is ``AllReduceMHC.__call__``, ``mhc::dsv41_finalize`` its MoE form and
 ``mhc::dsv41_collect`` phase two after ``mhc::publish`` / ``mhc::publish_moe``. Each takes the
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mhc_core import library
+from mhc_core.host import library
 
 
 @torch.library.custom_op("mhc::dsv41_boundary", mutates_args=("state",), device_types="cuda")
@@ -97,7 +97,7 @@ def _(state, handle, residual, post, comb, pre, norm_weight, norm_eps):
 def boundary(op: Any, x: Any, residual: Tensor, post: Tensor, comb: Tensor, pre: Tensor, norm_weight: Tensor,
              norm_eps: float) -> tuple[Tensor, Tensor]:  # fmt: skip
     """``op(x, ...)`` (or ``op.finalize`` for a ``MoEOutput`` x) of an ``AllReduceMHC`` through the custom ops."""
-    from mhc_core.moe import MoEOutput
+    from mhc_core.host.moe import MoEOutput
 
     if isinstance(x, MoEOutput):
         return torch.ops.mhc.dsv41_finalize(
@@ -109,5 +109,5 @@ def boundary(op: Any, x: Any, residual: Tensor, post: Tensor, comb: Tensor, pre:
 
 def collect(op: Any, residual: Tensor, post: Tensor, comb: Tensor, pre: Tensor, norm_weight: Tensor,
             norm_eps: float) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """``op.collect(...)`` through the custom ops (after ``mhc_core.library.publish_input``)."""
+    """``op.collect(...)`` through the custom ops (after ``mhc_core.host.library.publish_input``)."""
     return torch.ops.mhc.dsv41_collect(op.state, op.handle, residual, post, comb, pre, norm_weight, norm_eps)

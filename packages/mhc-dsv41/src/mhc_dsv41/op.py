@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from mhc_core.moe import MoEOutput
-from mhc_core.op import LamportOp, Plan, optional_output
-from mhc_core.publish import TRIGGER_AFTER_STORES
-from mhc_core.validation import check_int, check_positive_float, check_tensor
+from mhc_core.device.publish import TRIGGER_AFTER_STORES
+from mhc_core.host.moe import MoEOutput
+from mhc_core.host.op import LamportOp, Plan, optional_output
+from mhc_core.host.validation import check_int, check_positive_float, check_tensor
 
 from . import library  # noqa: F401  (registers the mhc::dsv41_* custom ops)
 from .config import DSV41Preset, default_geometry

@@ -11,14 +11,14 @@ cluster_size`` groups of 4 lanes, one group per 16-byte fragment. Lane ``j``:
 3. adds its share of the 24-row GEMV ``fn[r, j * hidden + c] * s_j[c]`` and of
    ``sum s_j^2``; the 25 sums are reduced over the cluster through DSMEM; CTA 0
    hands the raw mixes ``gemv * rsqrt(sum / (4 hidden) + rms_eps)`` off to the
-   side-stream mixes kernel (``mhc_core.handoff``); then the PDL wait;
+   side-stream mixes kernel (``mhc_core.device.handoff``); then the PDL wait;
 4. collapses ``bf16((t0 + t1) + (t2 + t3))`` with ``t_j = s_j * pre_j``,
    ``pre_j = sigmoid(raw[j] * scale[0] + base[j]) + hc_eps``, and RMS-normalises it
    after a second, one-value cluster reduction; the last cluster to finish moves the stage on.
 
 The poll runs before the PDL wait: a Lamport slot needs no ordering, and the stage comes
 from NEXT, which only this grid's last arriving cluster changes, at its end
-(``mhc_core.protocol.stage_before_wait`` / ``advance_stage_after_all``). So the poll ends
+(``mhc_core.device.protocol.stage_before_wait`` / ``advance_stage_after_all``). So the poll ends
 when the data lands, not when the publish grid has completed (about 1 us later on the
 H200). The wait stays before the first output store, as an output may alias what the
 publish reads.
@@ -27,10 +27,10 @@ At tp = 1 a launch with ``direct`` set reads ``x`` (the sublayer output) instead
 publish ran, so nothing is polled, re-armed or moved on (the op's plain calls; the grouped
 kernels do the same).
 
-Once the op is poisoned (``mhc_core.protocol``: an earlier kernel failed; a direct read checks
+Once the op is poisoned (``mhc_core.device.protocol``: an earlier kernel failed; a direct read checks
 the error word itself) the reduced x is NaN, so every output is, the raw mixes handed off too
 (the mixes kernel is never left waiting), and nothing is re-armed or moved on; the stage read
-before the poll tells (``mhc_core.protocol.read_state``).
+before the poll tells (``mhc_core.device.protocol.read_state``).
 
 The CTA's ``fn`` slice is staged in shared memory by bulk copies (``mhc_glm5.fn_stage``),
 and the residual streams, the weight, post and comb are loaded, before the PDL wait
@@ -46,12 +46,12 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32, Int64, Uint32
 
-from mhc_core import handoff, protocol, ptx, reduce
-from mhc_core.collective import mailbox_params
-from mhc_core.compiler import DeviceKernel
 from mhc_core.constants import VEC_BF16, WARP_SIZE
-from mhc_core.fastmath import sigmoid
-from mhc_core.signature import Buffer, Param, Ptr, Scalar, Signature, Stream
+from mhc_core.device import handoff, protocol, ptx, reduce
+from mhc_core.device.collective import mailbox_params
+from mhc_core.device.fastmath import sigmoid
+from mhc_core.device.kernel import DeviceKernel
+from mhc_core.device.signature import Buffer, Param, Ptr, Scalar, Signature, Stream
 
 from . import fn_stage
 from .config import (
@@ -172,7 +172,7 @@ def mixes_rstd(totals: cute.Pointer, hidden: cutlass.Constexpr[int], rms_eps: cu
 @cute.jit
 def write_raw_mixes(totals: cute.Pointer, rstd: Float32, mixes_out: cute.Pointer, token: Int32):
     """One thread: the token's 24 raw mixes ``totals[r] * rstd``, handed off to the side-stream
-    mixes kernel (``mhc_core.handoff``)."""
+    mixes kernel (``mhc_core.device.handoff``)."""
     raw = [cute.arch.load((totals + r).llvm_ptr, Float32) * rstd for r in range(MIX)]
     handoff.write_row(mixes_out.toint(), token, raw, MIX)
 

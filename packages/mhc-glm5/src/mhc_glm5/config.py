@@ -338,12 +338,12 @@ class GLM5Preset:
         """
         publish = {"hidden": self.hidden, "tp": self.tp, "threads": self.publish_threads, "trigger": "after_wait"}
         specs: dict[str, tuple[str, dict[str, Any]]] = {
-            "publish": ("mhc_core.publish:PublishKernel", {**publish, "store": "unicast"}),
-            "publish_multicast": ("mhc_core.publish:PublishKernel", {**publish, "store": "multicast"}),
+            "publish": ("mhc_core.device.publish:PublishKernel", {**publish, "store": "unicast"}),
+            "publish_multicast": ("mhc_core.device.publish:PublishKernel", {**publish, "store": "multicast"}),
         }
         for weights in ("float32", "bfloat16"):
             specs[f"finalize_{weights}"] = (
-                "mhc_core.publish:FinalizePublishKernel",
+                "mhc_core.device.publish:FinalizePublishKernel",
                 {**publish, "store": "unicast", "top_k": self.top_k, "weights": weights},
             )
         specs["boundary"] = ("mhc_glm5.boundary:BoundaryKernel", self.boundary_config(arch))

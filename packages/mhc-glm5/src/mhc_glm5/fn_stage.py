@@ -18,8 +18,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
-from mhc_core import ptx
 from mhc_core.constants import VEC_BF16
+from mhc_core.device import ptx
 
 from .config import FN_CHUNKS, FN_STAGE_ALIGN, HC, fn_chunk_words
 

@@ -25,8 +25,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, Int64, Uint32
 
-from mhc_core import protocol, ptx, reduce
 from mhc_core.constants import NAN_BF16_PAIR, VEC_BF16, WARP_SIZE
+from mhc_core.device import protocol, ptx, reduce
 
 from .boundary import (
     BoundaryConfig,

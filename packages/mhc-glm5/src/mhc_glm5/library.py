@@ -1,4 +1,4 @@
-"""torch.library custom ops of GLM-5.3's boundary (namespace ``mhc``; see ``mhc_core.library``).
+"""torch.library custom ops of GLM-5.3's boundary (namespace ``mhc``; see ``mhc_core.host.library``).
 
 ``mhc::glm5_boundary`` is ``AllReduceMhcBoundary.__call__`` (``mhc::glm5_boundary_moe`` with MoE
 input, ``mhc::glm5_collect`` phase two after ``mhc::publish``): it returns ``(residual_out,
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mhc_core import library
+from mhc_core.host import library
 
 from .config import HC
 
@@ -68,7 +68,7 @@ def glm5_boundary_moe(
     base: Tensor,
     norm_weight: Tensor,
 ) -> tuple[Tensor, Tensor]:
-    from mhc_core.moe import MoEOutput
+    from mhc_core.host.moe import MoEOutput
 
     moe = MoEOutput(gemm2_permuted, expert_weights, index, shared_output)
     return _fused(handle, library.lookup(handle)(moe, residual, post, comb, fn, scale, base, norm_weight))
@@ -121,7 +121,7 @@ def boundary(op: Any, x: Any, residual: Tensor, post: Tensor, comb: Tensor, fn: 
              norm_weight: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
     """``op(x, ...)`` of an ``AllReduceMhcBoundary`` through the custom ops (``x``: a tensor or a
     ``MoEOutput``): ``(residual_out, layer_input)``; ``join`` gives ``(post_out, comb_out)``."""
-    from mhc_core.moe import MoEOutput
+    from mhc_core.host.moe import MoEOutput
 
     if isinstance(x, MoEOutput):
         return torch.ops.mhc.glm5_boundary_moe(
@@ -133,7 +133,7 @@ def boundary(op: Any, x: Any, residual: Tensor, post: Tensor, comb: Tensor, fn: 
 
 def collect(op: Any, residual: Tensor, post: Tensor, comb: Tensor, fn: Tensor, scale: Tensor, base: Tensor,
             norm_weight: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """``op.collect(...)`` through the custom ops (after ``mhc_core.library.publish_input``)."""
+    """``op.collect(...)`` through the custom ops (after ``mhc_core.host.library.publish_input``)."""
     return torch.ops.mhc.glm5_collect(op.state, op.handle, residual, post, comb, fn, scale, base, norm_weight)
 
 

@@ -3,11 +3,11 @@ turns a boundary's raw mixes into the next boundary's post-mix and residual mix.
 
 ``post_out[j] = sigmoid(raw[4 + j] * scale[1] + base[4 + j]) * post_mult`` and
 ``comb_out = sinkhorn(raw[8 + k] * scale[2] + base[8 + k], k = 0..15)``
-(``mhc_core.sinkhorn``). The grid has ``ceil(M / threads)`` CTAs: no one-CTA limit
+(``mhc_core.device.sinkhorn``). The grid has ``ceil(M / threads)`` CTAs: no one-CTA limit
 on ``max_num_tokens``.
 
 The op launches it alongside the boundary: each thread polls its token's row of the
-hand-off buffer (``mhc_core.handoff``), where the boundary writes the raw mixes, re-arms
+hand-off buffer (``mhc_core.device.handoff``), where the boundary writes the raw mixes, re-arms
 it and keeps a copy in ``raw_out`` (the op's ``raw_mixes``); ``state`` is the op's stage state,
 whose error word a hand-off timeout sets. It does not read the error
 word: a poisoned boundary still hands off its (NaN) raw mixes, so these outputs are NaN too.
@@ -21,11 +21,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, Int64
 
-from mhc_core import handoff
-from mhc_core.compiler import DeviceKernel
-from mhc_core.fastmath import sigmoid
-from mhc_core.signature import Param, Ptr, Scalar, Signature, Stream
-from mhc_core.sinkhorn import sinkhorn4
+from mhc_core.device import handoff
+from mhc_core.device.fastmath import sigmoid
+from mhc_core.device.kernel import DeviceKernel
+from mhc_core.device.signature import Param, Ptr, Scalar, Signature, Stream
+from mhc_core.device.sinkhorn import sinkhorn4
 
 from .config import HC, MIX
 

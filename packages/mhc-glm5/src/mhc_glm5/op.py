@@ -5,7 +5,7 @@ publish lets the boundary launch right after its wait, before its stores: the
 boundary reads the mailbox only after its own wait), and the mixes kernel on a
 side stream. The side stream forks before the boundary, so the mixes kernel runs
 alongside it: each of its threads polls its token's row of a hand-off buffer, where
-the boundary writes the raw mixes (``mhc_core.handoff``: empty slots hold -0, so no
+the boundary writes the raw mixes (``mhc_core.device.handoff``: empty slots hold -0, so no
 flag and no fence). ``post_out`` / ``comb_out`` are complete only after ``join()``;
 the next call joins first. The hand-off rows and the raw mixes live in buffers the
 op owns, so they outlive it.
@@ -19,7 +19,7 @@ CUDA graphs: capture in any order (right after construction, after an eager call
 never joined, between replays; torch's side-stream warm-up recipe too), and call ``join()``
 before the capture ends, so the side stream rejoins the captured one. The side kernel's
 tensors (``post_out``, ``comb_out``, ``scale``, ``base``) stay alive until it is joined, also
-when the caller drops them first (``mhc_core.streams.SideWork``); the op's own hand-off rows
+when the caller drops them first (``mhc_core.host.streams.SideWork``); the op's own hand-off rows
 and raw mixes outlive the op until its side work has finished.
 """
 
@@ -30,13 +30,13 @@ from typing import Any
 
 import torch
 
-from mhc_core.compiler import kernel_from_spec
-from mhc_core.moe import MoEOutput
-from mhc_core.op import LamportOp, Plan, optional_output
-from mhc_core.publish import TRIGGER_AFTER_WAIT
-from mhc_core.signature import BoundKernel
-from mhc_core.streams import SideWork, current_capture
-from mhc_core.validation import check_int, check_tensor
+from mhc_core.device.publish import TRIGGER_AFTER_WAIT
+from mhc_core.host.compiler import kernel_from_spec
+from mhc_core.host.launch import BoundKernel
+from mhc_core.host.moe import MoEOutput
+from mhc_core.host.op import LamportOp, Plan, optional_output
+from mhc_core.host.streams import SideWork, current_capture
+from mhc_core.host.validation import check_int, check_tensor
 
 from . import library  # noqa: F401  (registers the mhc::glm5_* custom ops)
 from .config import HC, MIX, GLM5Preset, thresholds_from_mapping
@@ -126,7 +126,7 @@ class AllReduceMhcBoundary(LamportOp):
         self._mixes_handoff = torch.full((self.capacity, MIX), -0.0, dtype=torch.float32, device=self.device)
         self._raw_mixes = torch.empty(self.capacity, MIX, dtype=torch.float32, device=self.device)
         # The boundaries' clusters count in here; the last one moves the stage on (it polls before
-        # its PDL wait: ``mhc_core.protocol.advance_stage_after_all``).
+        # its PDL wait: ``mhc_core.device.protocol.advance_stage_after_all``).
         self._arrivals = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._side = SideWork(self.device)
         self._side.own(self._mixes_handoff, self._raw_mixes)

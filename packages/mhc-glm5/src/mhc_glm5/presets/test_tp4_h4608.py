@@ -19,7 +19,7 @@ from mhc_glm5.config import GLM5Preset
 if TYPE_CHECKING:
     import torch
 
-    from mhc_core.compiler import DeviceKernel
+    from mhc_core.device.kernel import DeviceKernel
     from mhc_glm5.op import AllReduceMhcBoundary
 
 NAME = "test-tp4-h4608"
@@ -61,15 +61,15 @@ GEOMETRY: dict[str, Any] = {
 KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
     "sm_90a": {
         "publish": (
-            "mhc_core.publish:PublishKernel",
+            "mhc_core.device.publish:PublishKernel",
             {"hidden": 4608, "tp": 4, "threads": 128, "trigger": "after_wait", "store": "unicast"},
         ),
         "publish_multicast": (
-            "mhc_core.publish:PublishKernel",
+            "mhc_core.device.publish:PublishKernel",
             {"hidden": 4608, "tp": 4, "threads": 128, "trigger": "after_wait", "store": "multicast"},
         ),
         "finalize_float32": (
-            "mhc_core.publish:FinalizePublishKernel",
+            "mhc_core.device.publish:FinalizePublishKernel",
             {
                 "hidden": 4608,
                 "tp": 4,
@@ -81,7 +81,7 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
             },
         ),
         "finalize_bfloat16": (
-            "mhc_core.publish:FinalizePublishKernel",
+            "mhc_core.device.publish:FinalizePublishKernel",
             {
                 "hidden": 4608,
                 "tp": 4,
@@ -140,7 +140,7 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
 
 def kernels(arch: str, names: Iterable[str] | None = None) -> dict[str, DeviceKernel]:
     """This preset's kernel objects for ``arch`` (all, or those in ``names``), not yet compiled."""
-    from mhc_core.compiler import kernel_from_spec
+    from mhc_core.host.compiler import kernel_from_spec
 
     if arch not in KERNELS:
         raise ValueError(f"preset {NAME!r} targets {', '.join(KERNELS)}; got arch {arch!r}")

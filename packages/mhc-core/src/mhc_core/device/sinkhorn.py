@@ -17,7 +17,7 @@ every round only rescales rows and columns, so ``c = diag(u) a diag(v)``, and it
 The same arithmetic in exact math, rounded differently: each half-round is a 4-term dot
 and one reciprocal (one thread is latency-bound here: the seed's form also rescales all
 16 entries, one multiply deeper per half-round; measured on the H200, this form took the
-GLM boundary's call 0.2-0.4 us faster). ``rcp`` is ``rcp.approx`` (``mhc_core.fastmath``),
+GLM boundary's call 0.2-0.4 us faster). ``rcp`` is ``rcp.approx`` (``mhc_core.device.fastmath``),
 ``exp`` the DSL's accurate one.
 
 ``SinkhornKernel`` runs the device function over ``[N, 16]`` logits, one thread a
@@ -32,8 +32,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from .compiler import DeviceKernel
 from .fastmath import rcp
+from .kernel import DeviceKernel
 from .signature import Param, Ptr, Scalar, Signature, Stream
 
 HC = 4

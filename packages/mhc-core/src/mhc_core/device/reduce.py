@@ -11,7 +11,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from .constants import WARP_SIZE
+from ..constants import WARP_SIZE
 from .ptx import store_to_peer_f32
 
 

@@ -1,9 +1,9 @@
 """The plain Lamport collective: poll every rank's fragment, FP32 sum, BF16 out.
 
 Grid ``(M, ceil(fragments / (threads / lanes)))``; ``lanes`` threads per fragment
-share the ranks (see ``mhc_core.protocol``). The output is the BF16 rounding of
+share the ranks (see ``mhc_core.device.protocol``). The output is the BF16 rounding of
 the FP32 sum, bit-identical on every rank and to ``mhc_core.reference.tp_sum``; NaN once
-the op is poisoned (``mhc_core.protocol``).
+the op is poisoned (``mhc_core.device.protocol``).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32, Int64
 
+from ..constants import STAGE_STATE_WORDS, VEC_BF16
 from . import protocol, ptx
-from .compiler import DeviceKernel
-from .constants import STAGE_STATE_WORDS, VEC_BF16
+from .kernel import DeviceKernel
 from .signature import Buffer, Param, Ptr, Scalar, Signature, Stream
 
 

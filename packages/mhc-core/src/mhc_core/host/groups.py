@@ -16,18 +16,25 @@ same way, so no token count can deadlock.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from .constants import NEGATIVE_ZERO_BF16
-
-if TYPE_CHECKING:
-    from .op import LamportOp
+from ..constants import NEGATIVE_ZERO_BF16
 
 SUPPORTED_TP = (1, 2, 4, 8)
+
+
+class GroupMember(Protocol):
+    """What a group needs of an op (``mhc_core.host.op.GroupMember`` is one): its device, and the
+    calls that launch every kernel of it once (each a ``Plan``: ``publish()``, ``collect(bool)``)."""
+
+    device: torch.device
+
+    def warmup_rounds(self) -> Sequence[Any]: ...
 
 
 @dataclass
@@ -45,13 +52,13 @@ def _sentinel_filled(elements: int, device: torch.device) -> torch.Tensor:
     return buffer
 
 
-def warm_up(ops: Sequence[LamportOp]) -> None:
+def warm_up(ops: Sequence[GroupMember]) -> None:
     """Launch every kernel of ``ops`` once: each round, every rank's publish, then every collective.
 
     Loading a module waits behind running kernels, so a first launch behind a
     spinning collective can deadlock; after this every module is loaded.
     """
-    rounds = [op._warmup_rounds() for op in ops]
+    rounds = [op.warmup_rounds() for op in ops]
     for step in range(len(rounds[0])):
         for steps in rounds:
             steps[step].publish()
@@ -71,10 +78,10 @@ class RankGroup:
         """``elements`` BF16 of sentinel-filled mailbox memory on every rank (collective)."""
         raise NotImplementedError
 
-    def complete_construction(self, op: LamportOp) -> None:
+    def complete_construction(self, op: GroupMember) -> None:
         raise NotImplementedError
 
-    def missing_peers(self, op: LamportOp) -> list[int]:
+    def missing_peers(self, op: GroupMember) -> list[int]:
         """Ranks whose op of the same instance does not exist yet (loopback only)."""
         return []
 
@@ -86,7 +93,7 @@ class SoloGroup(RankGroup):
         local = _sentinel_filled(elements, device)
         return MailboxMemory(local, [local.data_ptr()])
 
-    def complete_construction(self, op: LamportOp) -> None:
+    def complete_construction(self, op: GroupMember) -> None:
         warm_up([op])
 
 
@@ -114,7 +121,7 @@ class ProcessGroupRanks(RankGroup):
         peers = [int(pointer) for pointer in handle.buffer_ptrs]
         return MailboxMemory(local, peers, int(handle.multicast_ptr or 0))
 
-    def complete_construction(self, op: LamportOp) -> None:
+    def complete_construction(self, op: GroupMember) -> None:
         import torch.distributed as dist
 
         warm_up([op])
@@ -132,20 +139,22 @@ class LoopbackRank(RankGroup):
         self.rank = rank
         self._allocations = 0
         self._constructions = 0
+        # Each op built on this rank -> the instance (its k-th construction) it belongs to.
+        self._instance_of: weakref.WeakKeyDictionary[GroupMember, int] = weakref.WeakKeyDictionary()
 
     def allocate_mailbox(self, elements: int, device: torch.device) -> MailboxMemory:
         index = self._allocations
         self._allocations += 1
         return self.group._mailbox(index, self.rank, elements, device)
 
-    def complete_construction(self, op: LamportOp) -> None:
+    def complete_construction(self, op: GroupMember) -> None:
         index = self._constructions
         self._constructions += 1
-        op._loopback_index = index
+        self._instance_of[op] = index
         self.group._join(index, self.rank, op)
 
-    def missing_peers(self, op: LamportOp) -> list[int]:
-        joined = self.group._instances.get(op._loopback_index, {})
+    def missing_peers(self, op: GroupMember) -> list[int]:
+        joined = self.group._instances.get(self._instance_of.get(op, -1), {})
         return [rank for rank in range(self.tp) if rank not in joined]
 
     def __repr__(self) -> str:
@@ -162,7 +171,7 @@ class LoopbackGroup:
         self.device = normalize_device(device)
         self.ranks = tuple(LoopbackRank(self, rank) for rank in range(world_size))
         self._mailboxes: dict[int, list[torch.Tensor]] = {}
-        self._instances: dict[int, dict[int, LamportOp]] = {}
+        self._instances: dict[int, dict[int, GroupMember]] = {}
 
     def __getitem__(self, rank: int) -> LoopbackRank:
         return self.ranks[rank]
@@ -173,13 +182,13 @@ class LoopbackGroup:
     def __len__(self) -> int:
         return self.world_size
 
-    def build(self, factory: Callable[[LoopbackRank], LamportOp]) -> list[LamportOp]:
+    def build(self, factory: Callable[[LoopbackRank], GroupMember]) -> list[GroupMember]:
         """One op per rank, ``factory(group[r])``; the last one warms them all up."""
         return [factory(rank) for rank in self.ranks]
 
     def run(
         self,
-        ops: Sequence[LamportOp],
+        ops: Sequence[GroupMember],
         method: str,
         args: Sequence[Sequence[Any]],
         kwargs: Sequence[dict[str, Any]] | None = None,
@@ -203,18 +212,15 @@ class LoopbackGroup:
             )
         return MailboxMemory(buffers[rank], [buffer.data_ptr() for buffer in buffers])
 
-    def _join(self, index: int, rank: int, op: LamportOp) -> None:
+    def _join(self, index: int, rank: int, op: GroupMember) -> None:
         instance = self._instances.setdefault(index, {})
         instance[rank] = op
         if len(instance) == self.world_size:
-            ordered = [instance[r] for r in range(self.world_size)]
-            warm_up(ordered)
-            for member in ordered:
-                member._ready = True
+            warm_up([instance[r] for r in range(self.world_size)])
 
 
 def run_ranks(
-    ops: Sequence[LamportOp],
+    ops: Sequence[GroupMember],
     method: str,
     args: Sequence[Sequence[Any]],
     kwargs: Sequence[dict[str, Any]] | None = None,

@@ -37,8 +37,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, Int64, Uint32
 
-from . import ptx
-from .constants import (
+from ..constants import (
     ACTIVE_STAGE,
     ERROR_CODE,
     ERROR_COPY,
@@ -55,6 +54,7 @@ from .constants import (
     NEXT_STAGE,
     VEC_BF16,
 )
+from . import ptx
 
 #: Destination kinds of a publish: peer pointers, the multicast address, or the
 #: multicast addressing with a plain store to the local mailbox (a debug variant

@@ -12,7 +12,7 @@ Otherwise the collective waits before its first load, which orders it behind
 the previous kernel exactly as a launch without PDL would (one binary serves both).
 
 Streams: a call runs on the current stream; a call on another stream than the op's
-previous one waits for it first (``mhc_core.streams.CallOrder``), so calls of one op
+previous one waits for it first (``mhc_core.host.streams.CallOrder``), so calls of one op
 never overlap. For concurrent micro-batches build one op per stream: instances of one
 configuration share their compiled kernels (the compile cache), only the mailbox is new.
 """
@@ -25,13 +25,15 @@ from typing import Any
 
 import torch
 
-from . import library, protocol
-from .compiler import CompiledKernel, DeviceKernel, compile_kernel, device_arch
+from ..device import protocol
+from ..device.kernel import DeviceKernel
+from ..device.publish import FinalizePublishKernel, PublishConfig, PublishKernel
+from . import library
+from .compiler import CompiledKernel, compile_kernel, device_arch
 from .groups import SUPPORTED_TP, normalize_device, resolve_group
+from .launch import BoundKernel
 from .mailbox import LamportMailbox, resolve_transport
 from .moe import MoEOutput
-from .publish import FinalizePublishKernel, PublishConfig, PublishKernel
-from .signature import BoundKernel
 from .spin import SpinGuard, resolve_timeout_ms
 from .streams import CallOrder
 from .validation import check_int, check_tensor, check_token_count, leading_extent
@@ -103,8 +105,6 @@ class LamportOp:
         self.mailbox: LamportMailbox | None = None
         self._order = CallOrder(self.device)
         self._pending_m: int | None = None
-        self._ready = False
-        self._loopback_index = -1
 
     # ------------------------------------------------------------ construction
     def _compile(self, kernel: DeviceKernel) -> CompiledKernel:
@@ -116,7 +116,7 @@ class LamportOp:
         self.mailbox = LamportMailbox(
             self.group, capacity=self.capacity, hidden=self.hidden_size, device=self.device, transport=self.transport
         )
-        #: This op in the ``torch.ops.mhc`` custom ops (``mhc_core.library``), with ``state``.
+        #: This op in the ``torch.ops.mhc`` custom ops (``mhc_core.host.library``), with ``state``.
         self.handle = library.register(self)
         self._order.own(self.mailbox.stage_state, self.mailbox.destinations)
         if self.group.kind == "none":
@@ -139,8 +139,6 @@ class LamportOp:
         self._bind_collectives()
         with torch.cuda.device(self.device):
             self.group.complete_construction(self)
-        if self.group.kind != "loopback":
-            self._ready = True
 
     def _bind(self, compiled: CompiledKernel, fixed: dict[str, Any]) -> BoundKernel:
         return BoundKernel(compiled.function, compiled.kernel.signature(), fixed)
@@ -163,8 +161,10 @@ class LamportOp:
         """One M = 1 collect per collective kernel, for the warm-up."""
         raise NotImplementedError
 
-    def _warmup_rounds(self) -> list[Plan]:
-        """Rounds that launch every publish and every collective kernel at least once."""
+    def warmup_rounds(self) -> list[Plan]:
+        """Rounds that launch every publish and every collective kernel at least once: what the
+        op's group drives at construction (every rank's publish, then every rank's collective),
+        so that no kernel is launched for the first time behind a spinning one."""
         hidden, device = self.hidden_size, self.device
         publishes: list[Callable[[], None]] = []
         x = torch.zeros(1, hidden, dtype=torch.bfloat16, device=device)
@@ -233,7 +233,7 @@ class LamportOp:
     @property
     def state(self) -> torch.Tensor:
         """The int32 stage state the kernels advance (and poison): what the ``torch.ops.mhc`` custom
-        ops declare mutated, so a compiled graph keeps every call, in order (``mhc_core.library``)."""
+        ops declare mutated, so a compiled graph keeps every call, in order (``mhc_core.host.library``)."""
         assert self.mailbox is not None, "the op is not built yet"
         return self.mailbox.stage_state
 
@@ -241,10 +241,15 @@ class LamportOp:
         """Raise any error a kernel reported (spin timeout, bad route index)."""
         self.spin.check()
 
+    @property
+    def ready(self) -> bool:
+        """Whether every rank of the op's group has built it (only loopback ranks can lag)."""
+        return not self.group.missing_peers(self)
+
     def _check_usable(self) -> None:
         self.spin.check()
-        if not self._ready:
-            missing = self.group.missing_peers(self)
+        missing = self.group.missing_peers(self)
+        if missing:
             raise RuntimeError(
                 f"loopback rank {self.rank}: this op is unusable until every rank of its LoopbackGroup "
                 f"has built the same op; ranks {missing} have not"

@@ -20,9 +20,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32, Int64, Uint16, Uint32
 
+from ..constants import ERROR_CODE, ERROR_DETAIL, ERROR_ROUTE_INDEX, ERROR_TOKEN, STAGE_STATE_WORDS, VEC_BF16
 from . import protocol, ptx
-from .compiler import DeviceKernel
-from .constants import ERROR_CODE, ERROR_DETAIL, ERROR_ROUTE_INDEX, ERROR_TOKEN, STAGE_STATE_WORDS, VEC_BF16
+from .kernel import DeviceKernel
 from .signature import Buffer, Param, Ptr, Scalar, Signature, Stream
 
 TRIGGER_AFTER_WAIT = "after_wait"

@@ -1,8 +1,8 @@
 """Compiling kernels: target arch, a cache keyed by everything that changes the binary, ptxas reports.
 
-Kernel classes derive from ``DeviceKernel``: a frozen ``config`` dataclass (all
-compile-time constants, the arch included where the code depends on it), a
-``signature`` (see ``mhc_core.signature``) and a ``@cute.jit __call__``. Compiling
+Kernel classes derive from ``mhc_core.device.kernel.DeviceKernel``: a frozen ``config``
+dataclass (all compile-time constants, the arch included where the code depends on it), a
+``signature`` (``mhc_core.device.signature``) and a ``@cute.jit __call__``. Compiling
 needs no GPU: ``--gpu-arch`` picks the target.
 """
 
@@ -16,13 +16,14 @@ import re
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import cutlass.cute as cute
 import torch
 
-from .constants import SUPPORTED_ARCHS
-from .signature import Signature, fake_arguments
+from ..constants import SUPPORTED_ARCHS
+from ..device.kernel import DeviceKernel
+from ..device.signature import fake_arguments
 
 try:
     DSL_VERSION = importlib.metadata.version("nvidia-cutlass-dsl")
@@ -53,24 +54,6 @@ def check_arch(arch: str) -> str:
 def arch_has_mixed_bf16_fma(arch: str) -> bool:
     """``fma.rn.f32.bf16`` exists from sm_100 on (ptxas rejects it for sm_90a)."""
     return check_arch(arch) != "sm_90a"
-
-
-class DeviceKernel:
-    """Base of every kernel class: a config, a signature, a name for reports."""
-
-    #: Short name used in build tables and compile-cache keys.
-    name: ClassVar[str] = "kernel"
-    #: The frozen dataclass of compile-time constants this kernel takes.
-    config_type: ClassVar[type | None] = None
-
-    def __init__(self, config: Any) -> None:
-        self.config = config
-
-    def signature(self) -> Signature:
-        raise NotImplementedError
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.config})"
 
 
 def kernel_from_spec(path: str, config: dict[str, Any]) -> DeviceKernel:

@@ -18,7 +18,7 @@ from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm, vector
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .constants import MAGNITUDE_BF16_PAIR, NAN_BF16_PAIR, NEGATIVE_ZERO_BF16_PAIR, NEGATIVE_ZERO_F32, VEC_BF16
+from ..constants import MAGNITUDE_BF16_PAIR, NAN_BF16_PAIR, NEGATIVE_ZERO_BF16_PAIR, NEGATIVE_ZERO_F32, VEC_BF16
 
 #: Bit 15 of both halves: the BF16 sign bits of a bf16x2 word.
 SIGN_BF16_PAIR = 0x80008000

@@ -5,7 +5,7 @@ The host cannot watch a spinning kernel (it may itself be blocked inside a launc
 so the bound lives in the kernel: every poll loop gives up after ``limit_ns`` of
 the global timer, records the generation, token and the ranks whose slots still
 hold -0 in a pinned host buffer (readable without a device sync), sets the op's
-device error word (``mhc_core.protocol``) and exits. From then on every kernel of
+device error word (``mhc_core.device.protocol``) and exits. From then on every kernel of
 the op, eager, already queued or replayed from a CUDA graph, reads that word,
 consumes no slot and writes NaN: nothing later is silently wrong. ``check()`` and
 every later call raise ``LamportTimeoutError`` naming the missing ranks; the mailbox
@@ -16,7 +16,7 @@ With the bound on, every collective also compares the M each rank published for 
 generation (``TokenCountError``, a ``ValueError``, on a mismatch).
 
 The same bound covers a side-stream kernel's wait for a handed-off row
-(``mhc_core.handoff``, ``ERROR_HANDOFF_TIMEOUT``), with room for the producer's own
+(``mhc_core.device.handoff``, ``ERROR_HANDOFF_TIMEOUT``), with room for the producer's own
 wait: ``2 * limit + HANDOFF_SLACK_MS``.
 
 Default: on, at ``DEFAULT_SPIN_TIMEOUT_MS`` (10 minutes, the default timeout of a NCCL
@@ -34,7 +34,7 @@ import os
 
 import torch
 
-from .constants import (
+from ..constants import (
     ERROR_CODE,
     ERROR_DETAIL,
     ERROR_HANDOFF_TIMEOUT,

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from .collective import CollectiveConfig, CollectiveKernel
+from ..device.collective import CollectiveConfig, CollectiveKernel
+from ..device.publish import TRIGGER_AFTER_STORES
 from .moe import MoEOutput
 from .op import LamportOp, Plan, optional_output
-from .publish import TRIGGER_AFTER_STORES
 
 
 class LamportAllReduce(LamportOp):

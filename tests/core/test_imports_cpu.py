@@ -1,0 +1,152 @@
+"""Every import of the packages' modules, read from the sources (``TYPE_CHECKING`` and
+function-local ones included, so imports that only GPU code paths execute are checked too):
+
+* each ``mhc_*`` import names a module that exists, and every name it takes from it exists there
+  (tests, benchmarks and tools included);
+* device modules (``mhc_core.device``, the model packages' kernel modules) never import host ones;
+* the host modules form no import cycle. Preset modules import their op (their ``build``) and the
+  op imports the preset registry (``from_preset``): the registry imports presets by name, at run
+  time, so no cycle runs through them and none is excepted.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCES = [ROOT / "packages" / package / "src" for package in ("mhc-core", "mhc-dsv41", "mhc-glm5")]
+DEVICE_PREFIXES = ("mhc_core.device",)
+DEVICE_MODULES = {
+    "mhc_dsv41.kernel",
+    "mhc_glm5.boundary",
+    "mhc_glm5.grouped",
+    "mhc_glm5.grouped_mma",
+    "mhc_glm5.mixes",
+    "mhc_glm5.fn_stage",
+}
+#: Pure modules both layers share (constants, preset rules); neither layer's.
+SHARED = {
+    "mhc_core",
+    "mhc_core.constants",
+    "mhc_core.presets",
+    "mhc_core.compat",
+    "mhc_dsv41.config",
+    "mhc_glm5.config",
+}
+
+
+def package_modules() -> dict[str, Path]:
+    modules = {}
+    for source in SOURCES:
+        for path in source.rglob("*.py"):
+            parts = list(path.relative_to(source).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            modules[".".join(parts)] = path
+    return modules
+
+
+MODULES = package_modules()
+
+
+def is_package(module: str) -> bool:
+    return MODULES[module].name == "__init__.py"
+
+
+def imports(path: Path, module: str | None) -> list[tuple[str, list[str], int]]:
+    """Every import in ``path``: (absolute module, the names taken from it, line)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, [], node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            name = node.module or ""
+            if node.level:
+                if module is None:  # a relative import of tests/, benchmarks/ ...: not a package module
+                    continue
+                base = module.split(".") if is_package(module) else module.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                name = ".".join([*base, *([name] if name else [])])
+            found.append((name, [alias.name for alias in node.names], node.lineno))
+    return found
+
+
+def edges() -> dict[str, set[str]]:
+    """Module -> the package modules it imports (a name that is a submodule counts as that module)."""
+    graph: dict[str, set[str]] = {module: set() for module in MODULES}
+    for module, path in MODULES.items():
+        for target, names, _ in imports(path, module):
+            if not target.startswith("mhc_"):
+                continue
+            submodules = [f"{target}.{name}" for name in names if f"{target}.{name}" in MODULES]
+            graph[module].update(submodules or [target])
+    return graph
+
+
+def is_device(module: str) -> bool:
+    return module.startswith(DEVICE_PREFIXES) or module in DEVICE_MODULES
+
+
+def test_every_import_resolves() -> None:
+    files = {path: module for module, path in MODULES.items()}
+    for folder in ("tests", "benchmarks", "tools", "codegen", "demo"):
+        files.update({path: None for path in (ROOT / folder).rglob("*.py")})
+    missing = []
+    for path, module in sorted(files.items()):
+        for target, names, line in imports(path, module):
+            if not target.startswith("mhc_"):
+                continue
+            where = f"{path.relative_to(ROOT)}:{line}"
+            if target not in MODULES:
+                missing.append(f"{where}: no module {target}")
+                continue
+            imported = importlib.import_module(target)
+            missing += [
+                f"{where}: {target} has no {name}"
+                for name in names
+                if f"{target}.{name}" not in MODULES and not hasattr(imported, name)
+            ]
+    assert not missing, "\n".join(missing)
+
+
+def test_device_modules_import_no_host_module() -> None:
+    graph = edges()
+    wrong = [
+        f"{module} imports {target}"
+        for module in graph
+        if is_device(module)
+        for target in graph[module]
+        if not is_device(target) and target not in SHARED
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_host_modules_form_no_cycle() -> None:
+    graph = edges()
+    host = {module for module in graph if not is_device(module)}
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(module: str, trail: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph[module] & host):
+            if state.get(target) == 1:
+                cycles.append(" -> ".join([*trail[trail.index(target) :], target]))
+            elif target not in state:
+                visit(target, [*trail, target])
+        state[module] = 2
+
+    for module in sorted(host):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, "import cycles between host modules:\n" + "\n".join(cycles)
+
+
+def test_the_graph_sees_the_layers() -> None:
+    """The checks above look at real edges: the op imports the publish kernels, a model's op its kernel."""
+    graph = edges()
+    assert "mhc_core.device.publish" in graph["mhc_core.host.op"]
+    assert "mhc_dsv41.kernel" in graph["mhc_dsv41.op"]
+    assert "mhc_core.host.groups" in graph["mhc_core.host.mailbox"]
