@@ -207,9 +207,13 @@ class AllReduceMHC(LamportOp):
         moe = MoEOutput(gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx, shared_output)
         return self._plan_call(moe, *collect_args, out=out)
 
+    def supports(self, tokens: int) -> bool:
+        """Whether a call with ``tokens`` tokens fits this op (``1 <= tokens <= max_num_tokens``)."""
+        return 1 <= tokens <= self.capacity
+
     def __call__(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | MoEOutput,
         residual: torch.Tensor,
         post: torch.Tensor,
         comb: torch.Tensor,
@@ -222,7 +226,9 @@ class AllReduceMHC(LamportOp):
         """Return (post-mixed residual streams ``[M, hc, hidden]``, normalized layer input ``[M, hidden]``).
 
         Args:
-            x: [M, hidden] BF16 TP-partial sublayer output.
+            x: [M, hidden] BF16 TP-partial sublayer output, or a ``MoEOutput`` whose routed top-k
+                reduction is still open (as ``AllReduceMhcBoundary`` takes it; ``finalize`` is the
+                same call with the MoE tensors as arguments).
             residual: [M, hc, hidden] BF16 residual streams.
             post: [M, hc] or [M, hc, 1] FP32 post-mix.
             comb: [M, hc, hc] FP32 residual mix, indexed [source, target].

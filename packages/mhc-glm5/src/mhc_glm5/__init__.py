@@ -19,13 +19,24 @@ CORE_REQUIREMENT = "~=0.3.0"
 
 check_core_version(CORE_REQUIREMENT, __name__)
 
-__all__ = ["CORE_REQUIREMENT", "AllReduceMhcBoundary", "__version__"]
+#: The core's names a user of this package needs, re-exported (loaded on first use, like the op).
+_CORE_EXPORTS = ("MoEOutput", "LoopbackGroup", "LamportTimeoutError", "TokenCountError", "RouteIndexError")
+
+__all__ = ["CORE_REQUIREMENT", "AllReduceMhcBoundary", "__version__", "presets", *_CORE_EXPORTS]
 
 
 def __getattr__(name: str) -> Any:
     if name == "AllReduceMhcBoundary":
-        from .op import AllReduceMhcBoundary
+        from .op import AllReduceMhcBoundary as value
+    elif name == "presets":
+        import importlib
 
-        globals()[name] = AllReduceMhcBoundary
-        return AllReduceMhcBoundary
-    raise AttributeError(f"module 'mhc_glm5' has no attribute {name!r}")
+        value = importlib.import_module(f"{__name__}.presets")
+    elif name in _CORE_EXPORTS:
+        import mhc_core
+
+        value = getattr(mhc_core, name)
+    else:
+        raise AttributeError(f"module 'mhc_glm5' has no attribute {name!r}")
+    globals()[name] = value
+    return value

@@ -176,6 +176,7 @@ class AllReduceMhcBoundary(LamportOp):
 
     # ------------------------------------------------------------ side stream
     def supports(self, tokens: int) -> bool:
+        """Whether a call with ``tokens`` tokens fits this op (``1 <= tokens <= max_num_tokens``)."""
         return 1 <= tokens <= self.capacity
 
     def join(self) -> None:

@@ -12,6 +12,7 @@ import contextlib
 import importlib
 import importlib.metadata
 import io
+import logging
 import re
 import tempfile
 import time
@@ -29,6 +30,9 @@ try:
     DSL_VERSION = importlib.metadata.version("nvidia-cutlass-dsl")
 except importlib.metadata.PackageNotFoundError:  # the GPU host's unpacked bundle
     DSL_VERSION = "4.8.1-bundle"
+
+#: The project's logger: compile times at INFO, construction (transport, mailbox) at INFO.
+LOG = logging.getLogger("mhc")
 
 _ARCH_BY_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a"}
 
@@ -146,4 +150,5 @@ def compile_kernel(kernel: DeviceKernel, arch: str, *, inspect: bool = False) ->
         function = cute.compile(kernel, *fakes, options=options)
         compiled = CompiledKernel(kernel, arch, function, report=CompileReport(seconds=time.perf_counter() - start))
     _CACHE[key] = compiled
+    LOG.info("compiled %s for %s in %.2f s", kernel, arch, compiled.report.seconds)
     return compiled

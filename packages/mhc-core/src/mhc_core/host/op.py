@@ -29,7 +29,7 @@ from ..device import protocol
 from ..device.kernel import DeviceKernel
 from ..device.publish import FinalizePublishKernel, PublishConfig, PublishKernel
 from . import library
-from .compiler import CompiledKernel, compile_kernel, device_arch
+from .compiler import LOG, CompiledKernel, compile_kernel, device_arch
 from .groups import SUPPORTED_TP, normalize_device, resolve_group
 from .launch import BoundKernel
 from .mailbox import LamportMailbox, resolve_transport
@@ -139,6 +139,7 @@ class LamportOp:
         self._bind_collectives()
         with torch.cuda.device(self.device):
             self.group.complete_construction(self)
+        LOG.info("built %s", self)
 
     def _bind(self, compiled: CompiledKernel, fixed: dict[str, Any]) -> BoundKernel:
         return BoundKernel(compiled.function, compiled.kernel.signature(), fixed)
