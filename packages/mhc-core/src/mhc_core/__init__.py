@@ -33,6 +33,7 @@ _EXPORTS = {
     "SpinGuard": "host.spin",
     "compile_kernel": "host.compiler",
     "device_arch": "host.compiler",
+    "is_supported": "host.support",
 }
 
 __all__ = ["__version__", *_EXPORTS]

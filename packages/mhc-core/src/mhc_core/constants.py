@@ -27,8 +27,9 @@ MAGNITUDE_BF16_PAIR = 0x7FFF7FFF
 #: FP32 negative zero, the empty sentinel of the side-stream hand-off rows (``mhc_core.device.handoff``).
 NEGATIVE_ZERO_F32 = 0x80000000
 
-#: Architectures the kernels compile for.
+#: Architectures the kernels compile for, and the compute capability each runs on.
 SUPPORTED_ARCHS = ("sm_90a", "sm_100a", "sm_103a")
+ARCH_BY_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a"}
 
 #: Words of the host-mapped error flag: code, stage, token, fragment, then one per rank.
 ERROR_CODE, ERROR_STAGE, ERROR_TOKEN, ERROR_DETAIL, ERROR_RANKS = 0, 1, 2, 3, 4

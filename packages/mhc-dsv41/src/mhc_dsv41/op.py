@@ -81,6 +81,7 @@ class AllReduceMHC(LamportOp):
             if value is not None:
                 geometry[key] = check_int(key, value, minimum=1)
         self.config = MHCConfig(hidden=hidden_size, hc=hc_mult, tp=self.tp, **geometry)
+        self._build_publishes()
         self._collective_kernel = self._compile(LamportMHCKernel(self.config))
         self._setup()
 

@@ -25,11 +25,13 @@ and raw mixes outlive the op until its side work has finished.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from mhc_core.constants import SUPPORTED_ARCHS
 from mhc_core.device.publish import TRIGGER_AFTER_WAIT
 from mhc_core.host.compiler import kernel_from_spec
 from mhc_core.host.launch import BoundKernel
@@ -37,6 +39,7 @@ from mhc_core.host.moe import MoEOutput
 from mhc_core.host.op import LamportOp, Plan, optional_output
 from mhc_core.host.streams import SideWork, current_capture
 from mhc_core.host.validation import check_int, check_tensor
+from mhc_core.presets import PresetError
 
 from . import library  # noqa: F401  (registers the mhc::glm5_* custom ops)
 from .config import HC, MIX, GLM5Preset, thresholds_from_mapping
@@ -97,24 +100,30 @@ class AllReduceMhcBoundary(LamportOp):
         )
         if isinstance(cluster_tokens, Mapping):
             cluster_tokens = thresholds_from_mapping(cluster_tokens)
-        # Every hidden / cluster rule the presets obey, checked the same way.
-        self.preset = GLM5Preset(
-            name="custom",
-            hidden=hidden_size,
-            hc=HC,
-            tp=self.tp,
-            top_k=top_k,
-            cluster_size=cluster_size,
-            cluster_tokens=tuple(tuple(entry) for entry in (cluster_tokens or ())),
-            rms_eps=rms_eps,
-            hc_eps=hc_eps,
-            post_mult=post_mult,
-            sinkhorn_repeat=sinkhorn_repeat,
-            norm_eps=norm_eps,
-            archs=(self.arch,),
-            publish_threads=publish_threads,
-            mixes_threads=mixes_threads,
-        )
+        # Every hidden / cluster rule the presets obey, checked the same way, before anything is
+        # built (for the first supported arch: the rules do not depend on it), named by argument.
+        try:
+            preset = GLM5Preset(
+                name="custom",
+                hidden=hidden_size,
+                hc=HC,
+                tp=self.tp,
+                top_k=top_k,
+                cluster_size=cluster_size,
+                cluster_tokens=tuple(tuple(entry) for entry in (cluster_tokens or ())),
+                rms_eps=rms_eps,
+                hc_eps=hc_eps,
+                post_mult=post_mult,
+                sinkhorn_repeat=sinkhorn_repeat,
+                norm_eps=norm_eps,
+                archs=SUPPORTED_ARCHS[:1],
+                publish_threads=publish_threads,
+                mixes_threads=mixes_threads,
+            )
+        except PresetError as error:
+            raise ValueError(f"{error.key}: {error.rule}; got {error.value!r}") from None
+        self._build_publishes()
+        self.preset = dataclasses.replace(preset, archs=(self.arch,))
         self.cluster_tokens = self.preset.cluster_tokens
         # The kernels the preset lists (what `nox -s build` compiles), one per tokens-per-cluster size.
         specs = self.preset.kernel_specs(self.arch)

@@ -55,6 +55,7 @@ class LamportAllReduce(LamportOp):
         )
         self.lanes = lanes
         config = CollectiveConfig(hidden=hidden_size, tp=self.tp, threads=threads, lanes=lanes)
+        self._build_publishes()
         self._collective_kernel = self._compile(CollectiveKernel(config))
         self._setup()
 

@@ -22,7 +22,7 @@ from typing import Any
 import cutlass.cute as cute
 import torch
 
-from ..constants import SUPPORTED_ARCHS
+from ..constants import ARCH_BY_CAPABILITY, SUPPORTED_ARCHS
 from ..device.kernel import DeviceKernel
 from ..device.signature import fake_arguments
 
@@ -34,14 +34,12 @@ except importlib.metadata.PackageNotFoundError:  # the GPU host's unpacked bundl
 #: The project's logger: compile times at INFO, construction (transport, mailbox) at INFO.
 LOG = logging.getLogger("mhc")
 
-_ARCH_BY_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a"}
-
 
 def device_arch(device: torch.device | int | str | None = None) -> str:
     """The arch string this project compiles for on ``device``."""
     capability = torch.cuda.get_device_capability(device)
     try:
-        return _ARCH_BY_CAPABILITY[capability]
+        return ARCH_BY_CAPABILITY[capability]
     except KeyError:
         raise RuntimeError(
             f"unsupported GPU: compute capability {capability[0]}.{capability[1]}; "

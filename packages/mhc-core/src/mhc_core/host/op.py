@@ -1,9 +1,11 @@
 """``LamportOp``: what every fused op shares: group, transport, mailbox, publish kernels, spin guard,
 warm-up and the two-phase ``publish`` / ``collect`` form.
 
-Construction (collective over the group): validate, compile every kernel the op
-will launch, allocate the mailbox, bind persistent arguments, warm up. A subclass
-compiles its collective kernels between ``super().__init__`` and ``_setup()``.
+Construction (collective over the group): validate every argument (no CUDA call, no
+compile, no allocation before that), compile every kernel the op will launch, allocate the
+mailbox, bind persistent arguments, warm up. ``super().__init__`` validates the common
+arguments; a subclass validates its own, then calls ``_build_publishes()`` (the arch, the
+spin guard, the publish kernels), compiles its collective kernels and calls ``_setup()``.
 
 PDL: a collective may load its inputs before ``griddepcontrol.wait`` only when the
 kernel right before it is a publish that waited. ``__call__`` and the loopback
@@ -32,13 +34,16 @@ from . import library
 from .compiler import LOG, CompiledKernel, compile_kernel, device_arch
 from .groups import SUPPORTED_TP, normalize_device, resolve_group
 from .launch import BoundKernel
-from .mailbox import LamportMailbox, resolve_transport
+from .mailbox import LamportMailbox, mailbox_elements, resolve_transport
 from .moe import MoEOutput
 from .spin import SpinGuard, resolve_timeout_ms
 from .streams import CallOrder
 from .validation import check_int, check_tensor, check_token_count, leading_extent
 
 WEIGHT_TORCH_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+#: The most tokens a call can take: a publish encodes M as ``2 M + 1`` in a mailbox header word
+#: that must never read as the -0 sentinel (``mhc_core.device.protocol.encode_count``).
+MAX_NUM_TOKENS = 2**30 - 1
 
 
 @dataclass
@@ -70,41 +75,42 @@ class LamportOp:
         spin_timeout_ms: float | None = None,
         check_routes: bool = False,
     ) -> None:
+        # Validation only: no CUDA call, no compile, no allocation before every argument is checked.
         self.hidden_size = check_int("hidden_size", hidden_size, minimum=8)
         if hidden_size % 8:
             raise ValueError(f"hidden_size: expected a multiple of 8, got {hidden_size}")
-        self.capacity = check_int("max_num_tokens", max_num_tokens, minimum=1)
+        self.capacity = check_int("max_num_tokens", max_num_tokens, minimum=1, maximum=MAX_NUM_TOKENS)
         self.top_k = check_int("top_k", top_k, minimum=0)
+        check_int("publish_threads", publish_threads, minimum=32, maximum=1024)
+        if publish_threads % 32:
+            raise ValueError(f"publish_threads: expected a multiple of 32, got {publish_threads}")
         self.device = normalize_device(device)
         self.group = resolve_group(group)
         self.tp, self.rank = self.group.tp, self.group.rank
         if self.tp not in SUPPORTED_TP:
             raise ValueError(f"group: expected a TP size in {SUPPORTED_TP}, got {self.tp}")
         self.transport = resolve_transport(transport, self.group)
-        self.arch = device_arch(self.device)
         self.check_routes = bool(check_routes)
-        self.spin = SpinGuard(self.tp, resolve_timeout_ms(spin_timeout_ms), self.device, self.rank)
+        self._timeout_ms = resolve_timeout_ms(spin_timeout_ms)
         store = protocol.STORE_MULTICAST if self.transport == "multicast" else protocol.STORE_UNICAST
-        publish = PublishConfig(
-            hidden=hidden_size, tp=self.tp, threads=publish_threads, trigger=publish_trigger, store=store
-        )
-        self._publish_kernel = self._compile(PublishKernel(publish))
-        self._finalize_kernels: dict[torch.dtype, CompiledKernel] = {}
-        if self.top_k:
-            for dtype in self.weight_dtypes:
-                config = PublishConfig(
-                    hidden=hidden_size,
-                    tp=self.tp,
-                    threads=publish_threads,
-                    trigger=publish_trigger,
-                    store=store,
-                    top_k=self.top_k,
-                    weights=WEIGHT_TORCH_DTYPES[dtype],
-                )
-                self._finalize_kernels[dtype] = self._compile(FinalizePublishKernel(config))
+        common = dict(hidden=hidden_size, tp=self.tp, threads=publish_threads, trigger=publish_trigger, store=store)
+        self._publish_config = PublishConfig(**common)
+        self._finalize_configs = {
+            dtype: PublishConfig(**common, top_k=self.top_k, weights=WEIGHT_TORCH_DTYPES[dtype])
+            for dtype in (self.weight_dtypes if self.top_k else ())
+        }
         self.mailbox: LamportMailbox | None = None
-        self._order = CallOrder(self.device)
         self._pending_m: int | None = None
+
+    def _build_publishes(self) -> None:
+        """After every argument is validated: the arch, the spin guard, the publish kernels."""
+        self.arch = device_arch(self.device)
+        self.spin = SpinGuard(self.tp, self._timeout_ms, self.device, self.rank)
+        self._order = CallOrder(self.device)
+        self._publish_kernel = self._compile(PublishKernel(self._publish_config))
+        self._finalize_kernels: dict[torch.dtype, CompiledKernel] = {
+            dtype: self._compile(FinalizePublishKernel(config)) for dtype, config in self._finalize_configs.items()
+        }
 
     # ------------------------------------------------------------ construction
     def _compile(self, kernel: DeviceKernel) -> CompiledKernel:
@@ -113,6 +119,14 @@ class LamportOp:
 
     def _setup(self) -> None:
         """Allocate the mailbox (collective), bind arguments, warm up (collective)."""
+        nbytes = mailbox_elements(self.tp, self.capacity, self.hidden_size) * 2
+        free, _ = torch.cuda.mem_get_info(self.device)
+        if nbytes > free:
+            raise ValueError(
+                f"max_num_tokens: a mailbox of {nbytes / 2**30:.2f} GiB per rank (tp = {self.tp}, hidden = "
+                f"{self.hidden_size}, max_num_tokens = {self.capacity}) does not fit the {free / 2**30:.2f} GiB "
+                f"free on {self.device}"
+            )
         self.mailbox = LamportMailbox(
             self.group, capacity=self.capacity, hidden=self.hidden_size, device=self.device, transport=self.transport
         )
