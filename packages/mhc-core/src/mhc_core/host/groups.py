@@ -85,6 +85,9 @@ class RankGroup:
         """Ranks whose op of the same instance does not exist yet (loopback only)."""
         return []
 
+    def barrier(self) -> None:
+        """Every rank reaches this point (a process group's ``dist.barrier``; nothing elsewhere)."""
+
 
 class SoloGroup(RankGroup):
     """tp = 1: no process group; the mailbox is a local buffer."""
@@ -122,9 +125,12 @@ class ProcessGroupRanks(RankGroup):
         return MailboxMemory(local, peers, int(handle.multicast_ptr or 0))
 
     def complete_construction(self, op: GroupMember) -> None:
+        warm_up([op])
+        self.barrier()
+
+    def barrier(self) -> None:
         import torch.distributed as dist
 
-        warm_up([op])
         dist.barrier(group=self.group)
 
 

@@ -34,6 +34,11 @@ def register(op: Any) -> int:
     return handle
 
 
+def unregister(handle: int) -> None:
+    """Forget ``handle`` (the op was closed): a custom op called with it raises."""
+    _OPS.pop(handle, None)
+
+
 def lookup(handle: int) -> Any:
     """The op behind ``handle``; a clear error for a handle whose op is gone or never was."""
     ref = _OPS.get(handle)

@@ -101,6 +101,7 @@ class LamportOp:
         }
         self.mailbox: LamportMailbox | None = None
         self._pending_m: int | None = None
+        self._closed = False
 
     def _build_publishes(self) -> None:
         """After every argument is validated: the arch, the spin guard, the publish kernels."""
@@ -261,7 +262,43 @@ class LamportOp:
         """Whether every rank of the op's group has built it (only loopback ranks can lag)."""
         return not self.group.missing_peers(self)
 
+    def close(self) -> None:
+        """Free the mailbox (symmetric memory for a process group) and the op's buffers, once no
+        kernel can still use them; idempotent, and every later call raises. Collective over the
+        group, like construction: every rank closes (a rank's peers store into its mailbox)."""
+        if self._closed:
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("close(): not inside a CUDA-graph capture (it synchronises the device)")
+        self._closed = True
+        self._release()
+
+    #: Attributes holding device memory (or kernels bound to it) that ``close()`` drops.
+    _device_state: tuple[str, ...] = (
+        "mailbox", "_publish", "_finalize", "_collective", "_boundaries", "_mixes", "_mixes_handoff",
+        "_raw_mixes", "_arrivals",
+    )  # fmt: skip
+
+    def _release(self) -> None:
+        """Drop every reference to device memory once the device (and, for a process group, every
+        rank) is done with it. A loopback group keeps its ranks' mailboxes until it is dropped."""
+        torch.cuda.synchronize(self.device)
+        self.group.barrier()
+        library.unregister(self.handle)
+        for name in self._device_state:
+            if hasattr(self, name):
+                setattr(self, name, None)
+        self._order = CallOrder(self.device)
+
+    def __enter__(self) -> LamportOp:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} was closed: build a new op (collectively) to call it again")
         self.spin.check()
         missing = self.group.missing_peers(self)
         if missing:
