@@ -8,7 +8,7 @@ when ``AllReduceMHC`` is first used.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mhc_core.compat import check_core_version
 
@@ -21,12 +21,32 @@ check_core_version(CORE_REQUIREMENT, __name__)
 #: The core's names a user of this package needs, re-exported (loaded on first use, like the op).
 _CORE_EXPORTS = ("MoEOutput", "LoopbackGroup", "LamportTimeoutError", "TokenCountError", "RouteIndexError")
 
-__all__ = ["CORE_REQUIREMENT", "AllReduceMHC", "__version__", "presets", *_CORE_EXPORTS]
+__all__ = [
+    "CORE_REQUIREMENT",
+    "AllReduceMHC",
+    "LamportTimeoutError",
+    "LoopbackGroup",
+    "MoEOutput",
+    "RouteIndexError",
+    "TokenCountError",
+    "__version__",
+    "presets",
+]
+
+
+if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ loads each on first use
+    from mhc_core import LamportTimeoutError, LoopbackGroup, MoEOutput, RouteIndexError, TokenCountError
+
+    from . import presets
+    from .op import AllReduceMHC
 
 
 def __getattr__(name: str) -> Any:
+    value: Any
     if name == "AllReduceMHC":
-        from .op import AllReduceMHC as value
+        from . import op
+
+        value = op.AllReduceMHC
     elif name == "presets":
         import importlib
 

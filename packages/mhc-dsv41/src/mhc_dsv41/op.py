@@ -8,7 +8,7 @@ collective (``mhc_dsv41.kernel``). Construction is collective over ``group``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -20,6 +20,8 @@ from mhc_core.host.validation import check_int, check_positive_float, check_tens
 from . import library  # noqa: F401  (registers the mhc::dsv41_* custom ops)
 from .config import DSV41Preset, default_geometry
 from .kernel import LamportMHCKernel, MHCConfig
+
+Outputs = tuple[torch.Tensor, torch.Tensor]
 
 
 class AllReduceMHC(LamportOp):
@@ -238,7 +240,7 @@ class AllReduceMHC(LamportOp):
             norm_eps: RMSNorm epsilon (finite, > 0).
             out: optional preallocated (residual_out, layer_input).
         """
-        return self._run(self.plan("call", x, residual, post, comb, pre, norm_weight, norm_eps, out=out))
+        return cast(Outputs, self._run(self.plan("call", x, residual, post, comb, pre, norm_weight, norm_eps, out=out)))
 
     def finalize(
         self,
@@ -261,21 +263,24 @@ class AllReduceMHC(LamportOp):
         ``expanded_idx_to_permuted_idx`` ``[M, top_k]`` int32, -1 for experts this
         rank does not hold; ``shared_output`` ``[M, hidden]`` BF16.
         """
-        return self._run(
-            self.plan(
-                "finalize",
-                gemm2_permuted,
-                expert_weights,
-                expanded_idx_to_permuted_idx,
-                shared_output,
-                residual,
-                post,
-                comb,
-                pre,
-                norm_weight,
-                norm_eps,
-                out=out,
-            )
+        return cast(
+            Outputs,
+            self._run(
+                self.plan(
+                    "finalize",
+                    gemm2_permuted,
+                    expert_weights,
+                    expanded_idx_to_permuted_idx,
+                    shared_output,
+                    residual,
+                    post,
+                    comb,
+                    pre,
+                    norm_weight,
+                    norm_eps,
+                    out=out,
+                )
+            ),
         )
 
     def collect(
@@ -293,8 +298,12 @@ class AllReduceMHC(LamportOp):
         """Phase two, for the pending ``publish``. ``after_publish=True`` promises that the
         kernel right before on this stream is that publish (the collective then loads its
         inputs before the PDL wait)."""
-        return self._collect_pending(
-            lambda m: self._prepare_collect(m, residual, post, comb, pre, norm_weight, norm_eps, out), after_publish
+        return cast(
+            Outputs,
+            self._collect_pending(
+                lambda m: self._prepare_collect(m, residual, post, comb, pre, norm_weight, norm_eps, out),
+                after_publish,
+            ),
         )
 
     def __repr__(self) -> str:

@@ -9,7 +9,7 @@ installed mhc-core against this package's pin; the DSL and torch load when
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mhc_core.compat import check_core_version
 
@@ -22,12 +22,32 @@ check_core_version(CORE_REQUIREMENT, __name__)
 #: The core's names a user of this package needs, re-exported (loaded on first use, like the op).
 _CORE_EXPORTS = ("MoEOutput", "LoopbackGroup", "LamportTimeoutError", "TokenCountError", "RouteIndexError")
 
-__all__ = ["CORE_REQUIREMENT", "AllReduceMhcBoundary", "__version__", "presets", *_CORE_EXPORTS]
+__all__ = [
+    "CORE_REQUIREMENT",
+    "AllReduceMhcBoundary",
+    "LamportTimeoutError",
+    "LoopbackGroup",
+    "MoEOutput",
+    "RouteIndexError",
+    "TokenCountError",
+    "__version__",
+    "presets",
+]
+
+
+if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ loads each on first use
+    from mhc_core import LamportTimeoutError, LoopbackGroup, MoEOutput, RouteIndexError, TokenCountError
+
+    from . import presets
+    from .op import AllReduceMhcBoundary
 
 
 def __getattr__(name: str) -> Any:
+    value: Any
     if name == "AllReduceMhcBoundary":
-        from .op import AllReduceMhcBoundary as value
+        from . import op
+
+        value = op.AllReduceMhcBoundary
     elif name == "presets":
         import importlib
 

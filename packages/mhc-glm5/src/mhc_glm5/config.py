@@ -18,6 +18,7 @@ grouped kernel (``mhc_glm5.grouped``), 8 or 16 the tensor-core one
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,7 +159,7 @@ def grouped_kernel_path(tokens: int) -> str:
     return "mhc_glm5.grouped:GroupBoundaryKernel"
 
 
-def thresholds_from_mapping(mapping: dict[int, int]) -> tuple[tuple[int, int], ...]:
+def thresholds_from_mapping(mapping: Mapping[int, int]) -> tuple[tuple[int, int], ...]:
     """Convert the reference's exact ``{M: tokens}`` mapping into thresholds.
 
     Each listed M starts a range that lasts until the next listed M, so an

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -45,6 +45,7 @@ from . import library  # noqa: F401  (registers the mhc::glm5_* custom ops)
 from .config import HC, MIX, GLM5Preset, thresholds_from_mapping
 
 Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+Thresholds = tuple[tuple[int, int], ...]
 
 
 class AllReduceMhcBoundary(LamportOp):
@@ -110,7 +111,8 @@ class AllReduceMhcBoundary(LamportOp):
                 tp=self.tp,
                 top_k=top_k,
                 cluster_size=cluster_size,
-                cluster_tokens=tuple(tuple(entry) for entry in (cluster_tokens or ())),
+                # Entries of any length pass through: the preset's rule names a malformed one.
+                cluster_tokens=cast(Thresholds, tuple(tuple(entry) for entry in (cluster_tokens or ()))),
                 rms_eps=rms_eps,
                 hc_eps=hc_eps,
                 post_mult=post_mult,
@@ -280,7 +282,8 @@ class AllReduceMhcBoundary(LamportOp):
             self._side.join(current, capture)
             # The mixes kernel waits only for what precedes the boundary, then polls each token's
             # hand-off row: it runs alongside the boundary instead of one launch after it.
-            fork = torch.cuda.Event()
+            # torch does not annotate Event's constructor.
+            fork = torch.cuda.Event()  # type: ignore[no-untyped-call]
             fork.record(current)
             boundary(
                 residual=residual,
@@ -359,7 +362,9 @@ class AllReduceMhcBoundary(LamportOp):
 
         ``post_out`` and ``comb_out`` are written on a side stream: complete after ``join()``.
         """
-        return self._run(self.plan("call", x, residual, post, comb, fn, scale, base, norm_weight, out=out))
+        return cast(
+            Outputs, self._run(self.plan("call", x, residual, post, comb, fn, scale, base, norm_weight, out=out))
+        )
 
     def collect(
         self,
@@ -376,9 +381,12 @@ class AllReduceMhcBoundary(LamportOp):
     ) -> Outputs:
         """Phase two, for the pending ``publish``; ``after_publish=True`` promises the kernel
         right before on this stream is that publish."""
-        return self._collect_pending(
-            lambda m: self._prepare_collect(m, residual, post, comb, fn, scale, base, norm_weight, out),
-            after_publish,
+        return cast(
+            Outputs,
+            self._collect_pending(
+                lambda m: self._prepare_collect(m, residual, post, comb, fn, scale, base, norm_weight, out),
+                after_publish,
+            ),
         )
 
     def __repr__(self) -> str:

@@ -21,6 +21,7 @@ configuration share their compiled kernels (the compile cache), only the mailbox
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -93,7 +94,9 @@ class LamportOp:
         self.check_routes = bool(check_routes)
         self._timeout_ms = resolve_timeout_ms(spin_timeout_ms)
         store = protocol.STORE_MULTICAST if self.transport == "multicast" else protocol.STORE_UNICAST
-        common = dict(hidden=hidden_size, tp=self.tp, threads=publish_threads, trigger=publish_trigger, store=store)
+        common: dict[str, Any] = dict(
+            hidden=hidden_size, tp=self.tp, threads=publish_threads, trigger=publish_trigger, store=store
+        )
         self._publish_config = PublishConfig(**common)
         self._finalize_configs = {
             dtype: PublishConfig(**common, top_k=self.top_k, weights=WEIGHT_TORCH_DTYPES[dtype])
@@ -192,7 +195,7 @@ class LamportOp:
                 expanded_idx_to_permuted_idx=torch.full((1, self.top_k), -1, dtype=torch.int32, device=device),
                 shared_output=torch.zeros(1, hidden, dtype=torch.bfloat16, device=device),
             )
-            publishes.append(lambda bound=bound, moe=moe: self._launch_finalize(bound, moe, 1))
+            publishes.append(functools.partial(self._launch_finalize, bound, moe, 1))
         collects = list(self._warmup_collects())
         rounds = max(len(publishes), len(collects))
         return [Plan(1, publishes[i % len(publishes)], collects[i % len(collects)]) for i in range(rounds)]
