@@ -91,7 +91,7 @@ def is_device(module: str) -> bool:
 
 def test_every_import_resolves() -> None:
     files = {path: module for module, path in MODULES.items()}
-    for folder in ("tests", "benchmarks", "tools", "codegen", "demo"):
+    for folder in ("tests", "benchmarks", "tools", "codegen", "demo", "examples"):
         files.update({path: None for path in (ROOT / folder).rglob("*.py")})
     missing = []
     for path, module in sorted(files.items()):
