@@ -6,8 +6,9 @@
   then one wheel per package into ``dist/``.
 * ``tests`` — the whole suite in one venv (GPU tests run where a GPU is visible, else skip);
   ``tests_core``, ``tests_dsv41``, ``tests_glm5`` — one package's tests each.
-* ``gpu``, ``multigpu``, ``bench`` — thin wrappers over ``python3 -m pytest -m gpu tests``,
-  ``python3 -m torch.distributed.run ... -m tests.multigpu.run`` and ``python3 -m benchmarks.run``.
+* ``gpu``, ``multigpu``, ``bench``, ``demo`` — thin wrappers over ``python3 -m pytest -m gpu tests``,
+  ``python3 -m torch.distributed.run ... -m tests.multigpu.run``, ``python3 -m benchmarks.run`` and
+  ``python3 -m demo``.
   They run in the host's own Python (no venv): a GPU host brings the torch build that matches its
   driver, and the commands work the same where nox is absent, with ``packages/*/src`` on PYTHONPATH.
 """
@@ -46,7 +47,7 @@ def _source_path() -> dict[str, str]:
 
 def _install_runtime(session: nox.Session, *packages: str) -> None:
     """torch, the DSL, the test tools, then the given packages editable (in dependency order)."""
-    session.install(TORCH, DSL, "pytest", "jinja2", HATCHLING, "ruff")
+    session.install(TORCH, DSL, "pytest", "jinja2", HATCHLING, "ruff", "mypy")
     editable = []
     for package in packages:
         editable += ["-e", f"packages/{package}"]
@@ -159,3 +160,9 @@ def multigpu(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """python3 -m benchmarks.run with the posargs, in the host's Python."""
     session.run("python3", "-m", "benchmarks.run", *session.posargs, env=_source_path(), external=True)
+
+
+@nox.session(tags=["demo"], venv_backend="none", default=False)
+def demo(session: nox.Session) -> None:
+    """python3 -m demo with the posargs, in the host's Python: the decoder on the fused ops (issue #19)."""
+    session.run("python3", "-m", "demo", *session.posargs, env=_source_path(), external=True)

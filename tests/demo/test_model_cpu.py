@@ -492,3 +492,21 @@ def test_a_checked_decode_with_the_emulated_kernel_as_the_fused_path_passes(name
         assert result.passed, result
         assert result.compile_deviation == 0.0  # eager "compiled" path here
         assert result.max_logit_difference > 0 and result.emulated_spread > 0
+
+
+# ------------------------------------------------------------------ report
+def test_report_rows_table_and_json(tmp_path) -> None:
+    from demo import report
+
+    iso = {"attention unfused": 12.0, "attention fused": 4.0, "moe unfused": 16.0, "moe fused": 6.0}
+    step = {"logit_ratio": 0.3, "conformance": 0.5, "passed": True}
+    row = report.Row("dsv41", 1, 8, 4, unfused_us=500.0, fused_us=428.0, isolated_us=iso, steps=[step] * 2)
+    assert row.boundaries == 8 and row.per_boundary_saving_us == 9.0
+    assert row.efficiency == pytest.approx(72.0 / 72.0) and row.check_passed
+    assert row.tokens_per_s(row.fused_us) == pytest.approx(8e6 / 428.0)
+    text = report.table([row])
+    assert "| 8 | 500.0 | 428.0 |" in text and "pass (2 steps" in text
+    failed = report.Row("glm5", 1, 1, 4, 300.0, 290.0, iso, steps=[{**step, "passed": False}])
+    assert not failed.check_passed and "FAIL" in report.table([failed])
+    report.write_json([row, failed], tmp_path / "demo.json", {"tp": 1})
+    assert '"efficiency": 1.0' in (tmp_path / "demo.json").read_text()

@@ -1,0 +1,7 @@
+"""``python3 -m demo``: see ``demo.run``."""
+
+import sys
+
+from .run import main
+
+sys.exit(main())
