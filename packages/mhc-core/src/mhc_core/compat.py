@@ -1,8 +1,14 @@
-"""The model packages' guard against an installed mhc-core outside their pin (pure Python)."""
+"""What the model packages' ``__init__`` takes from the core, pure Python: the guard against an installed
+mhc-core outside their pin, and their lazy exports (the op, the presets, the core's names)."""
 
 from __future__ import annotations
 
+import importlib
 import re
+from typing import Any
+
+#: The core's names a user of a model package needs, re-exported by it (``model_attribute``).
+CORE_EXPORTS = ("MoEOutput", "LoopbackGroup", "LamportTimeoutError", "TokenCountError", "RouteIndexError")
 
 _VERSION = re.compile(r"^(\d+)\.(\d+)\.(\d+)")
 
@@ -34,3 +40,18 @@ def check_core_version(requirement: str, package: str, version: str | None = Non
             f"{package} needs mhc-core {requirement}, but mhc-core {version} is installed; "
             f"install a matching mhc-core (pip install 'mhc-core{requirement}')"
         )
+
+
+def model_attribute(package: str, namespace: dict[str, Any], name: str, op_class: str) -> Any:
+    """A model package's ``__getattr__``: ``op_class`` (from ``<package>.op``), ``presets`` or one of
+    ``CORE_EXPORTS``, loaded on first use and kept in ``namespace`` (the DSL and torch load only then)."""
+    if name == op_class:
+        value = getattr(importlib.import_module(f"{package}.op"), op_class)
+    elif name == "presets":
+        value = importlib.import_module(f"{package}.presets")
+    elif name in CORE_EXPORTS:
+        value = getattr(importlib.import_module("mhc_core"), name)
+    else:
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    namespace[name] = value
+    return value
