@@ -6,7 +6,9 @@ declares that state tensor mutated: no compiler pass can reorder, duplicate or d
 since each one mutates the same tensor the next one reads. The state is marked a static
 address when the op is built, so a ``mode="reduce-overhead"`` graph sees the mutation of a
 static input and stays a CUDA graph. The fake implementations derive every output's shape
-and dtype from the inputs alone: tracing needs no op and no GPU.
+and dtype from the inputs alone: tracing needs no op and no GPU. The ops are for inference: they
+have no autograd formula, so compile the model under ``torch.inference_mode()`` or
+``torch.no_grad()`` (or with parameters that do not require grad), as engines do.
 
 This module registers the core's ops (the standalone all-reduce, plain and MoE input, and the
 two-phase ``publish`` / ``all_reduce_collect``); ``mhc_dsv41.library`` and ``mhc_glm5.library``
