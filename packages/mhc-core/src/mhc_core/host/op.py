@@ -276,10 +276,11 @@ class LamportOp:
         self._closed = True
         self._release()
 
-    #: Attributes holding device memory (or kernels bound to it) that ``close()`` drops.
+    #: Attributes holding device memory (or kernels bound to it, or streams recorded on it) that
+    #: ``close()`` drops.
     _device_state: tuple[str, ...] = (
         "mailbox", "_publish", "_finalize", "_collective", "_boundaries", "_mixes", "_mixes_handoff",
-        "_raw_mixes", "_arrivals",
+        "_raw_mixes", "_arrivals", "_order",
     )  # fmt: skip
 
     def _release(self) -> None:
@@ -291,7 +292,6 @@ class LamportOp:
         for name in self._device_state:
             if hasattr(self, name):
                 setattr(self, name, None)
-        self._order = CallOrder(self.device)
 
     def __enter__(self) -> LamportOp:
         return self

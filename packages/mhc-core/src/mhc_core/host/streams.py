@@ -50,11 +50,11 @@ class _Recorded:
 class CallOrder:
     """The device order of one op's calls (see the module docstring)."""
 
-    def __init__(self, device: torch.device, owned: Iterable[torch.Tensor] = ()) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = device
-        # The op's persistent buffers: a stream that uses them is recorded on them, so that
-        # their memory outlives that stream's work when the op is dropped.
-        self._owned = list(owned)
+        # The op's persistent buffers (``own``): a stream that uses them is recorded on them, so
+        # that their memory outlives that stream's work when the op is dropped.
+        self._owned: list[torch.Tensor] = []
         self._streams: set[int] = set()
         self._eager_event = torch.cuda.Event(external=True)
         self._eager: _Recorded | None = None
