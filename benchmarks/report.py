@@ -29,6 +29,20 @@ def table(records) -> str:
     return "\n".join(lines)
 
 
+def host_table(records) -> str:
+    """The host-overhead suite: one row per call, host and wall microseconds, the launch floor."""
+    lines = ["\nhost overhead (eager us per call, outputs allocated by the op)"]
+    lines.append("| call | tp | M | host us | wall us | launch floor x launches |")
+    lines.append("|---|---|---|---|---|---|")
+    walls = {(r.variant.rsplit(" | ", 1)[0], r.tp, r.m): r.us for r in records if r.variant.endswith(" | wall")}
+    for r in records:
+        if r.variant.endswith(" | host"):
+            label = r.variant.rsplit(" | ", 1)[0]
+            wall = walls.get((label, r.tp, r.m), float("nan"))
+            lines.append(f"| {label} | {r.tp} | {r.m} | {r.us:.1f} | {wall:.1f} | {r.floor_us:.1f} |")
+    return "\n".join(lines)
+
+
 def plots(records, folder: Path, stem: str, header: dict) -> None:
     try:
         import matplotlib
@@ -42,6 +56,8 @@ def plots(records, folder: Path, stem: str, header: dict) -> None:
     for record in records:
         by_suite[record.suite].append(record)
     for suite, rows in by_suite.items():
+        if suite == "host":  # eager host times at one M: the table says it all
+            continue
         figure, axis = plt.subplots(figsize=(7, 4.5))
         for variant in dict.fromkeys(r.variant for r in rows):
             points = sorted((r.m, r.us) for r in rows if r.variant == variant)

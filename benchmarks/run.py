@@ -1,6 +1,6 @@
 """Run the benchmarks and print their tables (``nox -s bench`` wraps this).
 
-    python3 -m benchmarks.run [--suite core dsv41 glm5 glm5-thresholds glm5-breakdown spin-bound] [--out DIR]
+    python3 -m benchmarks.run [--suite core dsv41 glm5 glm5-thresholds glm5-breakdown spin-bound host] [--out DIR]
     python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m benchmarks.run   # real tp 2
 
 Under torchrun the suites run over a real NCCL group (unicast Lamport; NVLink
@@ -34,9 +34,11 @@ import torch  # noqa: E402
 from . import report, suites  # noqa: E402
 from .harness import copy_bandwidth_bytes_per_us, device_description  # noqa: E402
 
-SUITES = ("core", "dsv41", "glm5", "glm5-thresholds", "glm5-breakdown", "spin-bound")
-#: Suites a plain run (no --suite) does: spin-bound is one process with loopback ranks.
+SUITES = ("core", "dsv41", "glm5", "glm5-thresholds", "glm5-breakdown", "spin-bound", "host")
+#: Suites a plain run (no --suite) does: spin-bound and host are one process with loopback ranks.
 DEFAULT_SUITES = ("core", "dsv41", "glm5", "glm5-thresholds", "glm5-breakdown")
+#: Suites a plain run adds when not under torchrun.
+SINGLE_PROCESS_SUITES = ("host",)
 DEFAULT_M = (1, 8, 64, 256, 1024)
 THRESHOLD_M = (8, 16, 32, 64, 128, 256, 512, 1024)
 
@@ -59,7 +61,7 @@ def save(folder: Path, header: dict, records: list) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", nargs="+", choices=SUITES, default=list(DEFAULT_SUITES))
+    parser.add_argument("--suite", nargs="+", choices=SUITES, default=None)
     parser.add_argument("--m", nargs="+", type=int, default=list(DEFAULT_M))
     parser.add_argument("--out", type=Path, default=ROOT / ".out" / "bench")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
@@ -86,7 +88,8 @@ def main() -> int:
     if rank == 0:
         print(json.dumps(header), flush=True)
     records = []
-    for suite in options.suite:
+    chosen = options.suite or [*DEFAULT_SUITES, *(SINGLE_PROCESS_SUITES if tp == 1 else ())]
+    for suite in chosen:
         if suite == "core":
             records += suites.core_suite(ctx, options.m)
         elif suite == "dsv41":
@@ -97,10 +100,13 @@ def main() -> int:
             records += suites.glm5_breakdown(ctx, options.m)
         elif suite == "spin-bound":
             records += suites.spin_bound(ctx, [m for m in options.m if m <= 64])
+        elif suite == "host":
+            records += suites.host_overhead(ctx, [1])
         else:
             records += suites.glm5_thresholds(ctx, list(THRESHOLD_M))
         if rank == 0:
-            print(report.table([r for r in records if r.suite.startswith(suite)]), flush=True)
+            selected = [r for r in records if r.suite.startswith(suite)]
+            print(report.host_table(selected) if suite == "host" else report.table(selected), flush=True)
     if rank == 0:
         options.out.mkdir(parents=True, exist_ok=True)
         stem = f"tp{tp}"

@@ -331,3 +331,22 @@ def _boundary_baselines(ctx: Context, model: str, m: int, hidden: int, x, args, 
 
             records.append(Record(model, ctx.tp, m, f"{prefix}{name}", ctx.time(step), floor))
     return records
+
+
+# ------------------------------------------------------------------ host overhead
+def host_overhead(ctx: Context, ms: list[int]) -> list[Record]:
+    """Eager host and wall microseconds per call (``benchmarks.host``): two records per call,
+    variants ``"<call> | host"`` and ``"<call> | wall"``; ``floor_us`` is the launch floor
+    (BoundKernel, same run) times the call's launches."""
+    from . import host
+
+    if ctx.group is not None:
+        raise ValueError("--suite host runs tp 1 and loopback tp 2 in one process: run it without torchrun")
+    records = []
+    for m in ms:
+        measured = host.rows(m)
+        floor = next(h for label, _, h, _, _ in measured if label == "launch floor: BoundKernel")
+        for label, tp, host_us, wall_us, launches in measured:
+            records.append(Record("host", tp, m, f"{label} | host", host_us, floor * launches))
+            records.append(Record("host", tp, m, f"{label} | wall", wall_us, floor * launches))
+    return records

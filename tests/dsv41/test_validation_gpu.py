@@ -229,3 +229,26 @@ def test_constructor_rules() -> None:
         AllReduceMHC(**common, cluster_size=9)
     with pytest.raises(ValueError, match="max_num_tokens: expected >= 1"):
         AllReduceMHC(**{**common, "max_num_tokens": 0})
+
+
+def test_cached_checks_see_a_reused_address(op) -> None:
+    """A call whose arguments passed before skips the checks; the same addresses with any other
+    dtype, shape, strides or alignment are checked again (the allocator reuses addresses)."""
+    args = good()
+    out = (poisoned((M, HC, HIDDEN), torch.bfloat16), poisoned((M, HIDDEN), torch.bfloat16))
+    op(**args, out=out)
+    op(**args, out=out)  # cached
+    x = args["x"]
+    same_address = {
+        "dtype": (x.view(torch.float16), TypeError, "x: expected dtype bfloat16, got float16"),
+        "shape": (x.view(M * 2, HIDDEN // 2), ValueError, "x: expected shape"),
+        "strides": (x.as_strided((M, HIDDEN), (1, M)), ValueError, "x: expected a contiguous tensor"),
+    }
+    for name, (bad, error, message) in same_address.items():
+        assert bad.data_ptr() == x.data_ptr(), name
+        with pytest.raises(error, match=message):
+            op(**dict(args, x=bad), out=out)
+    residual = args["residual"]
+    with pytest.raises(ValueError, match="out\\[0\\] \\(residual_out\\): expected shape"):
+        op(**args, out=(residual.view(M, HC * 2, HIDDEN // 2), out[1]))
+    torch.cuda.synchronize()

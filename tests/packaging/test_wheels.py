@@ -23,9 +23,10 @@ DSL = "nvidia-cutlass-dsl==4.8.1"
 TORCH = "torch>=2.11,<2.14"
 PACKAGES = {
     # distribution: (import name, pins its METADATA must declare)
-    "mhc-core": ("mhc_core", {DSL, TORCH, "numpy"}),  # numpy: mhc_core.host.spin uses Tensor.numpy()
-    "mhc-dsv41": ("mhc_dsv41", {"mhc-core~=0.3.0", DSL, TORCH}),
-    "mhc-glm5": ("mhc_glm5", {"mhc-core~=0.3.0", DSL, TORCH}),  # 0.3.0: error word, header, token_check
+    # numpy: mhc_core.host.spin uses Tensor.numpy(); apache-tvm-ffi: the launch convention.
+    "mhc-core": ("mhc_core", {DSL, TORCH, "numpy", "apache-tvm-ffi<0.2,>=0.1.15"}),
+    "mhc-dsv41": ("mhc_dsv41", {"mhc-core~=0.4.0", DSL, TORCH}),
+    "mhc-glm5": ("mhc_glm5", {"mhc-core~=0.4.0", DSL, TORCH}),  # 0.4.0: TVM-FFI launches, shared direct read
 }
 #: Every package's extras: the DSL's CUDA 12 / CUDA 13 libraries (the DSL always brings cu12's).
 EXTRAS = {
@@ -33,7 +34,7 @@ EXTRAS = {
     "cu13": {'nvidia-cutlass-dsl-libs-cu13==4.8.1; extra == "cu13"'},
 }
 #: Each package's own version (its __init__); bumped when its kernels or API change.
-VERSIONS = {"mhc-core": "0.3.0", "mhc-dsv41": "0.2.0", "mhc-glm5": "0.6.0"}
+VERSIONS = {"mhc-core": "0.4.0", "mhc-dsv41": "0.3.0", "mhc-glm5": "0.7.0"}
 LICENSE = ROOT / "LICENSE"
 #: sha256 of https://www.apache.org/licenses/LICENSE-2.0.txt (11,358 bytes).
 APACHE_2_0_SHA256 = "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
@@ -199,7 +200,7 @@ def test_readme_install(command: str, wheels: dict[str, Path], tmp_path: Path) -
     assert f"\n{command}\n" in (ROOT / "README.md").read_text(), "the README no longer gives this command"
     if sys.platform == "win32":
         pytest.skip("the venv layout and the shell glob are POSIX")
-    for dependency in ("torch", "nvidia-cutlass-dsl", "numpy", "pip"):
+    for dependency in ("torch", "nvidia-cutlass-dsl", "numpy", "apache-tvm-ffi", "pip"):
         try:
             importlib.metadata.version(dependency)
         except importlib.metadata.PackageNotFoundError:  # e.g. the DSL unpacked onto PYTHONPATH on a GPU host

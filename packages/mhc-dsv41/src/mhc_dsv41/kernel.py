@@ -12,7 +12,12 @@ fragment, with ``x`` the all-reduced sublayer output rounded to BF16:
 
 Residual streams, weight and mixes are loaded before the PDL wait when the op
 says the kernel right before is a publish (``prefetch``); the slots are re-armed
-after reading and the next stage is set once per launch. Once the op is poisoned
+after reading and the next stage is set once per launch.
+
+At tp = 1 a launch with ``direct`` set reads ``x`` itself after the PDL wait (the op's plain
+calls: one launch, no publish, no mailbox traffic), with -0 read as +0 as a publish would
+have written it, so its outputs are bitwise the mailbox path's; nothing is polled, re-armed
+or moved on. The MoE finalize and the two-phase form keep the mailbox path. Once the op is poisoned
 (``mhc_core.device.protocol``: an earlier kernel failed) the sums are NaN, so both outputs
 are, and nothing is re-armed or moved on.
 """
@@ -93,6 +98,8 @@ class LamportMHCKernel(DeviceKernel):
             Param("layer_input", Ptr(BFloat16)),
             Param("eps", Scalar(Float32)),
             Param("prefetch", Scalar(Int32)),
+            Param("x", Ptr(BFloat16)),
+            Param("direct", Scalar(Int32)),
             *mailbox_params(),
             Param("m", Scalar(Int32)),
             Param("stream", Stream()),
@@ -100,12 +107,12 @@ class LamportMHCKernel(DeviceKernel):
 
     @cute.jit
     def __call__(
-        self, residual, post, comb, pre, gamma, residual_out, layer_input, eps, prefetch,
+        self, residual, post, comb, pre, gamma, residual_out, layer_input, eps, prefetch, x, direct,
         mailbox, stage_state, capacity, spin_limit_ns, error_flag, m, stream,
     ):  # fmt: skip
         config = self.config
         self.kernel(
-            residual, post, comb, pre, gamma, residual_out, layer_input, eps, prefetch,
+            residual, post, comb, pre, gamma, residual_out, layer_input, eps, prefetch, x, direct,
             mailbox, stage_state, capacity, spin_limit_ns, error_flag,
         ).launch(
             grid=(m, config.cluster_size, 1),
@@ -128,6 +135,8 @@ class LamportMHCKernel(DeviceKernel):
         layer_input: cute.Pointer,
         eps: Float32,
         prefetch: Int32,
+        x: cute.Pointer,
+        direct: Int32,
         mailbox: cute.Tensor,
         stage_state: cute.Tensor,
         capacity: Int32,
@@ -143,7 +152,9 @@ class LamportMHCKernel(DeviceKernel):
         leader = lane == 0
         base_fragment = cluster_rank * config.groups_per_cta + tidx // lanes
         mailbox_base = mailbox.iterator.toint()
+        from_x = protocol.reads_x(direct, tp)
 
+        # A direct read comes with prefetch off (the kernel before is x's producer, not a publish).
         if prefetch == Int32(0):
             cute.arch.griddepcontrol_wait()
         # Weights, residual streams and mixes: written before the publish's producer ran.
@@ -182,12 +193,20 @@ class LamportMHCKernel(DeviceKernel):
         for trip in cutlass.range_constexpr(trips):
             fragment = base_fragment + trip * config.fragment_stride
             active = fragment < config.fragments
-            # The grid's first thread also checks every rank's M (trip 0, spin bound on; ``mhc_core.device.protocol``).
-            poisoned = protocol.poll_and_sum(
-                total, mailbox_base, stage, token, fragment, lane, active, tp, lanes, capacity, hidden,
-                spin_limit_ns, error_flag, state, poisoned, tp > 1 and trip == 0,
-                first_thread & (spin_limit_ns > Int64(0)), m,
-            )  # fmt: skip
+            if from_x:
+                total.fill(Float32(0.0))
+                if active:
+                    total.store(ptx.words_to_f32x8(protocol.load_x(x, token, Int64(fragment) * VEC_BF16, hidden)))
+                if poisoned:
+                    total.fill(Float32(float("nan")))  # a direct read's poison (the poll's is its own)
+            else:
+                # The grid's first thread also checks every rank's M (trip 0, spin bound on;
+                # ``mhc_core.device.protocol``).
+                poisoned = protocol.poll_and_sum(
+                    total, mailbox_base, stage, token, fragment, lane, active, tp, lanes, capacity, hidden,
+                    spin_limit_ns, error_flag, state, poisoned, tp > 1 and trip == 0,
+                    first_thread & (spin_limit_ns > Int64(0)), m,
+                )  # fmt: skip
             if active & leader:
                 # The all-reduced sublayer output is BF16, as the unfused collective returns it.
                 reduced = total.load().to(BFloat16).to(Float32)
@@ -207,8 +226,9 @@ class LamportMHCKernel(DeviceKernel):
                     collapse.store(collapse.load() + ptx.words_to_f32x8(mixed_words) * pre_mix[target])
                 prenorm_words[trip, None].store(ptx.f32x8_to_words(collapse.load()))
 
-        # Poisoned: nothing consumed (no re-arm, the stage stays); the outputs carry the NaN.
-        healthy = poisoned == Boolean(False)
+        # Poisoned, or read directly: nothing consumed (no re-arm, the stage stays); a poisoned
+        # kernel's outputs carry the NaN.
+        healthy = (poisoned == Boolean(False)) & (from_x == Boolean(False))
         protocol.advance_stage(stage_state, stage, first_thread & healthy)
         cute.arch.griddepcontrol_launch_dependents()
         for trip in cutlass.range_constexpr(trips):

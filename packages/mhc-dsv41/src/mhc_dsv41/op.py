@@ -2,7 +2,9 @@
 
 Two kernels per call on the current stream, PDL-chained: a publish (plain, or the
 MoE finalize folded in) that lets the collective launch after its stores, and the
-collective (``mhc_dsv41.kernel``). Construction is collective over ``group``.
+collective (``mhc_dsv41.kernel``). At tp = 1 a plain call is one launch: the collective
+reads ``x`` itself (nothing to all-reduce; bitwise the mailbox path's outputs); ``finalize``
+and the two-phase form keep the publish. Construction is collective over ``group``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from mhc_core.device.publish import TRIGGER_AFTER_STORES
 from mhc_core.host.moe import MoEOutput
-from mhc_core.host.op import LamportOp, Plan, optional_output
+from mhc_core.host.op import LamportOp, Plan
 from mhc_core.host.validation import check_int, check_positive_float, check_tensor
 
 from . import library  # noqa: F401  (registers the mhc::dsv41_* custom ops)
@@ -22,6 +24,10 @@ from .config import DSV41Preset, default_geometry
 from .kernel import LamportMHCKernel, MHCConfig
 
 Outputs = tuple[torch.Tensor, torch.Tensor]
+
+
+def _no_publish() -> None:
+    """A tp = 1 plain call's publish: none (the collective reads x)."""
 
 
 class AllReduceMHC(LamportOp):
@@ -147,26 +153,59 @@ class AllReduceMHC(LamportOp):
         norm_weight: torch.Tensor,
         norm_eps: float,
         out: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> Callable[[bool], tuple[torch.Tensor, torch.Tensor]]:
+    ) -> Callable[[bool], Outputs]:
         """Validate every collective input for M tokens; return the launch."""
+        self._check_collect(m, residual, post, comb, pre, norm_weight, norm_eps, out)
+        return self._collect_launch(m, residual, post, comb, pre, norm_weight, norm_eps, out)
+
+    def _check_collect(
+        self,
+        m: int,
+        residual: torch.Tensor,
+        post: torch.Tensor,
+        comb: torch.Tensor,
+        pre: torch.Tensor,
+        norm_weight: torch.Tensor,
+        norm_eps: float,
+        out: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> None:
+        """Every check of the collective's inputs (and of ``out``) for M tokens."""
         hc, hidden, device = self.hc_mult, self.hidden_size, self.device
         check_tensor("residual", residual, shape=(m, hc, hidden), dtype=torch.bfloat16, device=device)
         check_tensor("post", post, shape=[(m, hc), (m, hc, 1)], dtype=torch.float32, device=device, align=4)
         check_tensor("comb", comb, shape=(m, hc, hc), dtype=torch.float32, device=device, align=4)
         check_tensor("pre", pre, shape=(m, hc), dtype=torch.float32, device=device, align=4)
         check_tensor("norm_weight", norm_weight, shape=(hidden,), dtype=torch.bfloat16, device=device)
-        eps = check_positive_float("norm_eps", norm_eps)
-        if out is not None and (not isinstance(out, (tuple, list)) or len(out) != 2):
+        check_positive_float("norm_eps", norm_eps)
+        if out is None:
+            return
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
             raise TypeError("out: expected a (residual_out, layer_input) pair of tensors")
-        residual_out = optional_output(
-            "out[0] (residual_out)", out[0] if out else None, (m, hc, hidden), torch.bfloat16, device
-        )
-        layer_input = optional_output(
-            "out[1] (layer_input)", out[1] if out else None, (m, hidden), torch.bfloat16, device
-        )
+        check_tensor("out[0] (residual_out)", out[0], shape=(m, hc, hidden), dtype=torch.bfloat16, device=device)
+        check_tensor("out[1] (layer_input)", out[1], shape=(m, hidden), dtype=torch.bfloat16, device=device)
 
-        def collect(after_publish: bool) -> tuple[torch.Tensor, torch.Tensor]:
-            self._collective(
+    def _collect_launch(
+        self,
+        m: int,
+        residual: torch.Tensor,
+        post: torch.Tensor,
+        comb: torch.Tensor,
+        pre: torch.Tensor,
+        norm_weight: torch.Tensor,
+        norm_eps: float,
+        out: tuple[torch.Tensor, torch.Tensor] | None,
+        x: torch.Tensor | None = None,
+    ) -> Callable[[bool], Outputs]:
+        """The launch of checked collective inputs (with ``x``, checked too: the tp = 1 direct read)."""
+        if out is None:
+            residual_out = torch.empty((m, self.hc_mult, self.hidden_size), dtype=torch.bfloat16, device=self.device)
+            layer_input = torch.empty((m, self.hidden_size), dtype=torch.bfloat16, device=self.device)
+        else:
+            residual_out, layer_input = out
+        collective, eps = self._collective.launch, float(norm_eps)
+
+        def collect(after_publish: bool) -> Outputs:
+            collective(
                 residual=residual,
                 post=post,
                 comb=comb,
@@ -175,7 +214,10 @@ class AllReduceMHC(LamportOp):
                 residual_out=residual_out,
                 layer_input=layer_input,
                 eps=eps,
-                prefetch=int(after_publish),
+                # Reading x directly waits first: the kernel before is x's producer, not a publish.
+                prefetch=int(after_publish and x is None),
+                x=x if x is not None else residual,  # read only when direct
+                direct=int(x is not None),
                 m=m,
             )
             return residual_out, layer_input
@@ -195,8 +237,31 @@ class AllReduceMHC(LamportOp):
         *,
         out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> Plan:
-        m, publish = self._prepare_publish(x)
-        return Plan(m, publish, self._prepare_collect(m, residual, post, comb, pre, norm_weight, norm_eps, out))
+        collect_args = (residual, post, comb, pre, norm_weight, norm_eps, out)
+        self._checked(("call", x, *collect_args), lambda: self._check_collect(self._check_publish(x), *collect_args))
+        return self._plan_checked(x, *collect_args)
+
+    def _plan_checked(
+        self,
+        x: torch.Tensor | MoEOutput,
+        residual: torch.Tensor,
+        post: torch.Tensor,
+        comb: torch.Tensor,
+        pre: torch.Tensor,
+        norm_weight: torch.Tensor,
+        norm_eps: float,
+        out: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> Plan:
+        """The plan of a call whose arguments passed every check."""
+        collect_args = (residual, post, comb, pre, norm_weight, norm_eps, out)
+        if isinstance(x, MoEOutput):
+            m = x.shared_output.shape[0]
+        else:
+            m = x.shape[0]
+            if self.tp == 1:
+                # Nothing to all-reduce: the collective reads x; no publish is launched.
+                return Plan(m, _no_publish, self._collect_launch(m, *collect_args, x=x))
+        return Plan(m, self._publish_launch(x, m), self._collect_launch(m, *collect_args))
 
     def _plan_finalize(
         self,
@@ -208,7 +273,14 @@ class AllReduceMHC(LamportOp):
         out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> Plan:
         moe = MoEOutput(gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx, shared_output)
-        return self._plan_call(moe, *collect_args, out=out)
+        if len(collect_args) != 6:
+            raise TypeError(
+                "finalize: expected residual, post, comb, pre, norm_weight and norm_eps after the MoE tensors, "
+                f"got {len(collect_args)} more arguments"
+            )
+        values = (gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx, shared_output, *collect_args, out)
+        self._checked(("finalize", *values), lambda: self._check_collect(self._check_publish(moe), *collect_args, out))
+        return self._plan_checked(moe, *collect_args, out)
 
     def supports(self, tokens: int) -> bool:
         """Whether a call with ``tokens`` tokens fits this op (``1 <= tokens <= max_num_tokens``)."""
@@ -240,7 +312,7 @@ class AllReduceMHC(LamportOp):
             norm_eps: RMSNorm epsilon (finite, > 0).
             out: optional preallocated (residual_out, layer_input).
         """
-        return cast(Outputs, self._run(self.plan("call", x, residual, post, comb, pre, norm_weight, norm_eps, out=out)))
+        return cast(Outputs, self._call(self._plan_call, x, residual, post, comb, pre, norm_weight, norm_eps, out=out))
 
     def finalize(
         self,
@@ -265,21 +337,19 @@ class AllReduceMHC(LamportOp):
         """
         return cast(
             Outputs,
-            self._run(
-                self.plan(
-                    "finalize",
-                    gemm2_permuted,
-                    expert_weights,
-                    expanded_idx_to_permuted_idx,
-                    shared_output,
-                    residual,
-                    post,
-                    comb,
-                    pre,
-                    norm_weight,
-                    norm_eps,
-                    out=out,
-                )
+            self._call(
+                self._plan_finalize,
+                gemm2_permuted,
+                expert_weights,
+                expanded_idx_to_permuted_idx,
+                shared_output,
+                residual,
+                post,
+                comb,
+                pre,
+                norm_weight,
+                norm_eps,
+                out=out,
             ),
         )
 

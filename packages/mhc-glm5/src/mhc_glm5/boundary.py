@@ -138,30 +138,6 @@ def gemv_partials(row_fragment: Callable[[int], cute.TensorSSA], stream: cute.Te
 
 
 @cute.jit
-def reads_x(direct: Int32, tp: cutlass.Constexpr[int]) -> Boolean:
-    """Whether this launch reads the sublayer output ``x`` itself instead of polling the mailbox:
-    only at tp = 1, where there is nothing to all-reduce and the op launches no publish."""
-    from_x = Boolean(False)
-    if cutlass.const_expr(tp == 1):
-        from_x = direct != Int32(0)
-    return from_x
-
-
-@cute.jit
-def load_x_raw(x: cute.Pointer, token: Int32, column: Int64, hidden: cutlass.Constexpr[int]) -> cute.TensorSSA:
-    """A fragment of ``x[token]`` as stored: pass it through ``ptx.sanitize_negative_zero`` before
-    use (``load_x``). Kept apart so that a prologue can issue it without waiting for it."""
-    return ptx.load_u32x4(x.toint() + (Int64(token) * hidden + column) * 2)
-
-
-@cute.jit
-def load_x(x: cute.Pointer, token: Int32, column: Int64, hidden: cutlass.Constexpr[int]) -> cute.TensorSSA:
-    """A fragment of ``x[token]`` with -0 as +0: the words a publish would have written, so the
-    boundary's result is bit-identical to the mailbox path's (whose tree adds them to +0)."""
-    return ptx.sanitize_negative_zero(load_x_raw(x, token, column, hidden))
-
-
-@cute.jit
 def mixes_rstd(totals: cute.Pointer, hidden: cutlass.Constexpr[int], rms_eps: cutlass.Constexpr[float]) -> Float32:
     """``rsqrt(sum s^2 / (4 hidden) + rms_eps)`` from a token's 25 cluster totals (squares last)."""
     return cute.math.rsqrt(
@@ -268,7 +244,7 @@ class BoundaryKernel(DeviceKernel):
         fragment = cluster_rank * config.groups_per_cta + tidx // HC
         column = Int64(fragment) * VEC_BF16
 
-        from_x = reads_x(direct, tp)
+        from_x = protocol.reads_x(direct, tp)
 
         smem = cutlass.memory.SmemAllocator()
         fn_staged, fn_barrier = fn_stage.allocate(smem, groups, FN_ROTATION_STREAMS)
@@ -299,7 +275,7 @@ class BoundaryKernel(DeviceKernel):
         polled = Boolean(True)
         reduced = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
         if from_x:
-            reduced.store(ptx.words_to_f32x8(load_x(x, token, column, hidden)))
+            reduced.store(ptx.words_to_f32x8(protocol.load_x(x, token, column, hidden)))
             polled = Boolean(False)
             if poisoned:
                 # A direct read's poison (the mailbox path's is in its poll): x reads as NaN.

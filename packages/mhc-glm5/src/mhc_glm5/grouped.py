@@ -35,10 +35,8 @@ from .boundary import (
     gemv_partials,
     inverse_rms,
     load_fn_rows,
-    load_x,
     mixes_rstd,
     pre_mix,
-    reads_x,
     write_raw_mixes,
 )
 from .config import HC, MIX_INPUTS, VALUES, grouped_shared_bytes
@@ -97,7 +95,7 @@ class GroupBoundaryKernel(BoundaryKernel):
         first = group * tokens
         last = m - 1
 
-        from_x = reads_x(direct, tp)
+        from_x = protocol.reads_x(direct, tp)
 
         smem = cutlass.memory.SmemAllocator()
         staged = smem.allocate_array(Uint32, tokens * HC * groups * 4, byte_alignment=16)
@@ -117,7 +115,7 @@ class GroupBoundaryKernel(BoundaryKernel):
         kept = cute.make_rmem_tensor(cute.make_layout((tokens, waves, 4), stride=(waves * 4, 4, 1)), Uint32)
         if from_x:
             for t in cutlass.range_constexpr(tokens):
-                kept[t, 0, None].store(load_x(x, cutlass.min(first + t, last), column, hidden))
+                kept[t, 0, None].store(protocol.load_x(x, cutlass.min(first + t, last), column, hidden))
         sources = cute.make_rmem_tensor(cute.make_layout((tokens, 4), stride=(4, 1)), Uint32)
         for t in cutlass.range_constexpr(tokens):
             element = (Int64(cutlass.min(first + t, last)) * HC + Int64(lane)) * hidden + column

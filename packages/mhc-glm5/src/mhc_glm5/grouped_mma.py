@@ -57,10 +57,8 @@ from .boundary import (
     BoundaryConfig,
     BoundaryKernel,
     inverse_rms,
-    load_x_raw,
     mixes_rstd,
     pre_mix,
-    reads_x,
     write_raw_mixes,
 )
 from .config import (
@@ -175,7 +173,7 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         first_fragment = cluster_rank * fragments + local
         first = group * tokens
         last = m - 1
-        from_x = reads_x(direct, tp)
+        from_x = protocol.reads_x(direct, tp)
 
         smem = cutlass.memory.SmemAllocator()
         fn_staged, fn_barrier = fn_stage.allocate(smem, fragments, FN_ROTATION_ROWS)
@@ -214,7 +212,7 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
                 token = cutlass.min(first + h * TOKENS_PER_HALF + g, last)
                 for k in cutlass.range_constexpr(LANE_FRAGMENTS):
                     column = Int64(first_fragment + q + k * HC) * VEC_BF16
-                    kept[h][k, 0, None].store(load_x_raw(x, token, column, hidden))
+                    kept[h][k, 0, None].store(protocol.load_x_raw(x, token, column, hidden))
         # post / comb: 4-byte asynchronous copies (their rows are only 4-byte aligned).
         for trip in cutlass.range_constexpr(-(-(tokens * MIX_INPUTS) // threads)):
             index = tidx + trip * threads

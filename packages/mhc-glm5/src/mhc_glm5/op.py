@@ -36,8 +36,8 @@ from mhc_core.device.publish import TRIGGER_AFTER_WAIT
 from mhc_core.host.compiler import kernel_from_spec
 from mhc_core.host.launch import BoundKernel
 from mhc_core.host.moe import MoEOutput
-from mhc_core.host.op import LamportOp, Plan, optional_output
-from mhc_core.host.streams import SideWork, current_capture
+from mhc_core.host.op import LamportOp, Plan
+from mhc_core.host.streams import SideWork
 from mhc_core.host.validation import check_int, check_tensor
 from mhc_core.presets import PresetError
 
@@ -45,6 +45,14 @@ from . import library  # noqa: F401  (registers the mhc::glm5_* custom ops)
 from .config import HC, MIX, GLM5Preset, thresholds_from_mapping
 
 Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+OUTPUT_NAMES = ("out[0] (residual_out)", "out[1] (post_out)", "out[2] (comb_out)", "out[3] (layer_input)")
+OUTPUT_DTYPES = (torch.bfloat16, torch.float32, torch.float32, torch.bfloat16)
+
+
+def _no_publish() -> None:
+    """A tp = 1 plain call's publish: none (the boundary reads x)."""
+
+
 Thresholds = tuple[tuple[int, int], ...]
 
 
@@ -193,8 +201,9 @@ class AllReduceMhcBoundary(LamportOp):
     def join(self) -> None:
         """Make the current stream wait for the last mixes kernel (post_out / comb_out complete).
         Inside a CUDA-graph capture, call it before the capture ends."""
-        current = torch.cuda.current_stream(self.device)
-        self._side.join(current, current_capture(current))
+        if self._closed or self._side.idle:  # close() synchronised the device already
+            return
+        self._side.join(*self._order.current())
 
     @property
     def side_stream(self) -> torch.cuda.Stream:
@@ -254,10 +263,24 @@ class AllReduceMhcBoundary(LamportOp):
         norm_weight: torch.Tensor,
         out: Sequence[torch.Tensor] | None,
         tokens: int | None = None,
-        x: torch.Tensor | None = None,
     ) -> Callable[[bool], Outputs]:
-        """Validate every boundary input for M tokens; return the launch (boundary, then side mixes).
-        With ``x`` (tp = 1, validated by the caller) the boundary reads it instead of the mailbox."""
+        """Validate every boundary input for M tokens; return the launch (boundary, then side mixes)."""
+        self._check_collect(m, residual, post, comb, fn, scale, base, norm_weight, out)
+        return self._collect_launch(m, residual, post, comb, fn, scale, base, norm_weight, out, tokens=tokens)
+
+    def _check_collect(
+        self,
+        m: int,
+        residual: torch.Tensor,
+        post: torch.Tensor,
+        comb: torch.Tensor,
+        fn: torch.Tensor,
+        scale: torch.Tensor,
+        base: torch.Tensor,
+        norm_weight: torch.Tensor,
+        out: Sequence[torch.Tensor] | None,
+    ) -> None:
+        """Every check of the boundary's inputs (and of ``out``) for M tokens."""
         hidden, device = self.hidden_size, self.device
         check_tensor("residual", residual, shape=(m, HC, hidden), dtype=torch.bfloat16, device=device)
         check_tensor("post", post, shape=[(m, HC, 1), (m, HC)], dtype=torch.float32, device=device, align=4)
@@ -266,25 +289,54 @@ class AllReduceMhcBoundary(LamportOp):
         check_tensor("scale", scale, shape=(3,), dtype=torch.float32, device=device, align=4)
         check_tensor("base", base, shape=(MIX,), dtype=torch.float32, device=device, align=4)
         check_tensor("norm_weight", norm_weight, shape=(hidden,), dtype=torch.bfloat16, device=device)
-        if out is not None and (not isinstance(out, (tuple, list)) or len(out) != 4):
+        if out is None:
+            return
+        if not isinstance(out, (tuple, list)) or len(out) != 4:
             raise TypeError("out: expected a (residual_out, post_out, comb_out, layer_input) tuple of tensors")
-        given = list(out) if out is not None else [None] * 4
-        residual_out = optional_output("out[0] (residual_out)", given[0], (m, HC, hidden), torch.bfloat16, device)
-        post_out = optional_output("out[1] (post_out)", given[1], (m, HC, 1), torch.float32, device)
-        comb_out = optional_output("out[2] (comb_out)", given[2], (m, HC, HC), torch.float32, device)
-        layer_input = optional_output("out[3] (layer_input)", given[3], (m, hidden), torch.bfloat16, device)
-        boundary = self._boundaries[tokens if tokens is not None else self.tokens_per_cluster(m)]
+        for name, tensor, shape, dtype in zip(OUTPUT_NAMES, out, self._output_shapes(m), OUTPUT_DTYPES, strict=True):
+            check_tensor(name, tensor, shape=shape, dtype=dtype, device=device)
+
+    def _output_shapes(self, m: int) -> tuple[tuple[int, ...], ...]:
+        return (m, HC, self.hidden_size), (m, HC, 1), (m, HC, HC), (m, self.hidden_size)
+
+    def _collect_launch(
+        self,
+        m: int,
+        residual: torch.Tensor,
+        post: torch.Tensor,
+        comb: torch.Tensor,
+        fn: torch.Tensor,
+        scale: torch.Tensor,
+        base: torch.Tensor,
+        norm_weight: torch.Tensor,
+        out: Sequence[torch.Tensor] | None,
+        tokens: int | None = None,
+        x: torch.Tensor | None = None,
+    ) -> Callable[[bool], Outputs]:
+        """The launch of checked boundary inputs. With ``x`` (tp = 1, checked too) the boundary
+        reads it instead of the mailbox."""
+        device = self.device
+        if out is None:
+            residual_out, post_out, comb_out, layer_input = (
+                torch.empty(shape, dtype=dtype, device=device)
+                for shape, dtype in zip(self._output_shapes(m), OUTPUT_DTYPES, strict=True)
+            )
+        else:
+            residual_out, post_out, comb_out, layer_input = out
+        boundary = self._boundaries[tokens if tokens is not None else self.tokens_per_cluster(m)].launch
+
+        side, order, mixes = self._side, self._order, self._mixes.launch
 
         def collect(after_publish: bool) -> Outputs:
-            current = torch.cuda.current_stream(device)
-            capture = current_capture(current)
+            if order.in_call:  # the call's stream and capture, as CallOrder.begin found them
+                current, capture = cast(torch.cuda.Stream, order.stream), order.capture
+            else:  # the warm-up (no call in progress)
+                current, capture = order.current()
             # The previous mixes kernel still reads and re-arms the hand-off rows until joined.
-            self._side.join(current, capture)
+            side.join(current, capture)
             # The mixes kernel waits only for what precedes the boundary, then polls each token's
             # hand-off row: it runs alongside the boundary instead of one launch after it.
-            # torch does not annotate Event's constructor.
-            fork = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            fork.record(current)
+            side.fork(current)
             boundary(
                 residual=residual,
                 post=post,
@@ -302,12 +354,9 @@ class AllReduceMhcBoundary(LamportOp):
                 m=m,
             )
             # Launched after the boundary, so a boundary that fails to launch leaves no waiter.
-            side = self._side.stream
-            side.wait_event(fork)
-            with torch.cuda.stream(side):
-                self._mixes(scale=scale, base=base, post_out=post_out, comb_out=comb_out, m=m)
+            mixes(stream=side.handle, scale=scale, base=base, post_out=post_out, comb_out=comb_out, m=m)
             # The side kernel uses these after the current stream may have dropped them.
-            self._side.launched(capture, (post_out, comb_out, scale, base))
+            side.launched(capture, (post_out, comb_out, scale, base))
             return residual_out, post_out, comb_out, layer_input
 
         return collect
@@ -326,12 +375,16 @@ class AllReduceMhcBoundary(LamportOp):
         *,
         out: Sequence[torch.Tensor] | None = None,
     ) -> Plan:
-        m, publish = self._prepare_publish(x)
-        if self.tp == 1 and not isinstance(x, MoEOutput):
-            # Nothing to all-reduce: the boundary reads x (validated above); no publish is launched.
-            direct = self._prepare_collect(m, residual, post, comb, fn, scale, base, norm_weight, out, x=x)
-            return Plan(m, lambda: None, direct)
-        return Plan(m, publish, self._prepare_collect(m, residual, post, comb, fn, scale, base, norm_weight, out))
+        args = (residual, post, comb, fn, scale, base, norm_weight, out)
+        self._checked(("call", x, *args), lambda: self._check_collect(self._check_publish(x), *args))
+        if isinstance(x, MoEOutput):
+            m = x.shared_output.shape[0]
+        else:
+            m = x.shape[0]
+            if self.tp == 1:
+                # Nothing to all-reduce: the boundary reads x; no publish is launched.
+                return Plan(m, _no_publish, self._collect_launch(m, *args, x=x))
+        return Plan(m, self._publish_launch(x, m), self._collect_launch(m, *args))
 
     def __call__(
         self,
@@ -363,7 +416,7 @@ class AllReduceMhcBoundary(LamportOp):
         ``post_out`` and ``comb_out`` are written on a side stream: complete after ``join()``.
         """
         return cast(
-            Outputs, self._run(self.plan("call", x, residual, post, comb, fn, scale, base, norm_weight, out=out))
+            Outputs, self._call(self._plan_call, x, residual, post, comb, fn, scale, base, norm_weight, out=out)
         )
 
     def collect(

@@ -122,6 +122,32 @@ def begin_publish(stage_state: cute.Tensor, leader: Boolean) -> tuple:
     return stage, poisoned
 
 
+# ------------------------------------------------------------ direct read (tp = 1)
+@cute.jit
+def reads_x(direct: Int32, tp: cutlass.Constexpr[int]) -> Boolean:
+    """Whether this launch reads the sublayer output ``x`` itself instead of polling the mailbox:
+    only at tp = 1, where there is nothing to all-reduce and the op launches no publish (a
+    compile-time False at tp > 1, so those kernels have no direct path at all)."""
+    from_x = Boolean(False)
+    if cutlass.const_expr(tp == 1):
+        from_x = direct != Int32(0)
+    return from_x
+
+
+@cute.jit
+def load_x_raw(x: cute.Pointer, token: Int32, column: Int64, hidden: cutlass.Constexpr[int]) -> cute.TensorSSA:
+    """A fragment of ``x[token]`` as stored: pass it through ``ptx.sanitize_negative_zero`` before
+    use (``load_x``). Kept apart so that a prologue can issue it without waiting for it."""
+    return ptx.load_u32x4(x.toint() + (Int64(token) * hidden + column) * 2)
+
+
+@cute.jit
+def load_x(x: cute.Pointer, token: Int32, column: Int64, hidden: cutlass.Constexpr[int]) -> cute.TensorSSA:
+    """A fragment of ``x[token]`` with -0 as +0: the words a publish would have written, so the
+    boundary's result is bit-identical to the mailbox path's (whose tree adds them to +0)."""
+    return ptx.sanitize_negative_zero(load_x_raw(x, token, column, hidden))
+
+
 @cute.jit
 def header_bytes(
     stage: Uint32, rank: Int32, tp: cutlass.Constexpr[int], capacity: Int32, hidden: cutlass.Constexpr[int]

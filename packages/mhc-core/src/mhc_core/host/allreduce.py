@@ -81,7 +81,7 @@ class LamportAllReduce(LamportOp):
 
     def __call__(self, x: torch.Tensor | MoEOutput, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """The all-reduced ``[M, hidden]`` BF16 sum of every rank's ``x`` (or finalized MoE output)."""
-        return self._run(self.plan("call", x, out=out))
+        return self._call(self._plan_call, x, out=out)
 
     def collect(self, *, out: torch.Tensor | None = None, after_publish: bool = False) -> torch.Tensor:
         """Phase two: the all-reduced result of the pending ``publish``."""

@@ -4,6 +4,11 @@ Kernel classes derive from ``mhc_core.device.kernel.DeviceKernel``: a frozen ``c
 dataclass (all compile-time constants, the arch included where the code depends on it), a
 ``signature`` (``mhc_core.device.signature``) and a ``@cute.jit __call__``. Compiling
 needs no GPU: ``--gpu-arch`` picks the target.
+
+Calling convention: every kernel is compiled for TVM-FFI (``--enable-tvm-ffi``, package
+apache-tvm-ffi), whose C entry point checks and packs the arguments and launches; a launch
+then costs a few microseconds of host time against 12-19 for the DSL's default path
+(BENCHMARKS.md). The kernel's PTX is the same either way: only the host wrapper differs.
 """
 
 from __future__ import annotations
@@ -30,6 +35,10 @@ try:
     DSL_VERSION = importlib.metadata.version("nvidia-cutlass-dsl")
 except importlib.metadata.PackageNotFoundError:  # the GPU host's unpacked bundle
     DSL_VERSION = "4.8.1-bundle"
+
+#: Part of every compile key: how the host calls the compiled function (``mhc_core.host.launch``).
+CALLING_CONVENTION = "tvm-ffi"
+COMPILE_OPTIONS = "--enable-tvm-ffi"
 
 #: The project's logger: compile times at INFO, construction (transport, mailbox) at INFO.
 LOG = logging.getLogger("mhc")
@@ -85,13 +94,25 @@ class CompileReport:
 
 @dataclass
 class CompiledKernel:
+    """A compiled kernel: ``function`` is its TVM-FFI entry point (positional arguments only, as
+    ``mhc_core.host.launch`` converts them), None where it cannot run in this process (compiled
+    for another arch than the DSL's target: a cross-compile); ``compiled`` the DSL's object."""
+
     kernel: DeviceKernel
     arch: str
-    function: Any
+    compiled: Any
     ptx: str | None = None
     report: CompileReport = field(default_factory=CompileReport)
+    function: Any = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        # The bare tvm_ffi.Function: the DSL's wrapper adds a keyword-argument layer per call.
+        entry = getattr(self.compiled, "__tvm_ffi_object__", None)
+        self.function = entry() if entry is not None else None
 
     def __call__(self, *args: Any) -> None:
+        if self.function is None:
+            raise RuntimeError(f"{self.kernel} was compiled for {self.arch}, which this process cannot launch")
         self.function(*args)
 
 
@@ -126,11 +147,12 @@ def compile_kernel(kernel: DeviceKernel, arch: str, *, inspect: bool = False) ->
     served an inspected one's options or another target's binary.
     """
     check_arch(arch)
-    key = (type(kernel).__module__, type(kernel).__qualname__, kernel.config, arch, DSL_VERSION, inspect)
+    kind = (type(kernel).__module__, type(kernel).__qualname__)
+    key = (*kind, kernel.config, arch, DSL_VERSION, CALLING_CONVENTION, inspect)
     cached = _CACHE.get(key)
     if cached is not None:
         return cached
-    options = f"--gpu-arch {arch}"
+    options = f"--gpu-arch {arch} {COMPILE_OPTIONS}"
     fakes = fake_arguments(kernel.signature())
     start = time.perf_counter()
     if inspect:

@@ -39,7 +39,7 @@ from .mailbox import LamportMailbox, mailbox_elements, resolve_transport
 from .moe import MoEOutput
 from .spin import SpinGuard, resolve_timeout_ms
 from .streams import CallOrder
-from .validation import check_int, check_tensor, check_token_count, leading_extent
+from .validation import ValidatedCalls, argument_key, check_int, check_tensor, check_token_count, leading_extent
 
 WEIGHT_TORCH_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 #: The most tokens a call can take: a publish encodes M as ``2 M + 1`` in a mailbox header word
@@ -105,6 +105,7 @@ class LamportOp:
         self.mailbox: LamportMailbox | None = None
         self._pending_m: int | None = None
         self._closed = False
+        self._validated = ValidatedCalls()
 
     def _build_publishes(self) -> None:
         """After every argument is validated: the arch, the spin guard, the publish kernels."""
@@ -160,7 +161,7 @@ class LamportOp:
         LOG.info("built %s", self)
 
     def _bind(self, compiled: CompiledKernel, fixed: dict[str, Any]) -> BoundKernel:
-        return BoundKernel(compiled.function, compiled.kernel.signature(), fixed)
+        return BoundKernel(compiled.function, compiled.kernel.signature(), fixed, self.device)
 
     def _collective_fixed(self) -> dict[str, Any]:
         """Persistent arguments of every collective kernel (``collective.mailbox_params``)."""
@@ -200,16 +201,42 @@ class LamportOp:
         rounds = max(len(publishes), len(collects))
         return [Plan(1, publishes[i % len(publishes)], collects[i % len(collects)]) for i in range(rounds)]
 
+    # -------------------------------------------------------------- validation
+    def _checked(self, values: tuple[Any, ...], check: Callable[[], object]) -> None:
+        """Run ``check`` (every check of one call's arguments; it raises before any launch) unless
+        arguments with the same key (``argument_key``: every property checked) passed it before."""
+        key = argument_key(*values)
+        try:
+            seen = key in self._validated
+        except TypeError:  # an unhashable argument: the checks say what is wrong with it
+            check()
+            return
+        if not seen:
+            check()
+            self._validated.add(key)
+
     # -------------------------------------------------------------- publishing
     def _prepare_publish(self, x: torch.Tensor | MoEOutput) -> tuple[int, Callable[[], None]]:
         """Validate a publish input; return M and the launch."""
+        m = self._check_publish(x)
+        return m, self._publish_launch(x, m)
+
+    def _check_publish(self, x: torch.Tensor | MoEOutput) -> int:
+        """Every check of a publish input; M."""
         if isinstance(x, MoEOutput):
-            return self._prepare_finalize(x)
+            return self._check_finalize(x)
         m = check_token_count("x", leading_extent("x", x), self.capacity)
         check_tensor("x", x, shape=(m, self.hidden_size), dtype=torch.bfloat16, device=self.device)
-        return m, lambda: self._publish(x=x, m=m)
+        return m
 
-    def _prepare_finalize(self, moe: MoEOutput) -> tuple[int, Callable[[], None]]:
+    def _publish_launch(self, x: torch.Tensor | MoEOutput, m: int) -> Callable[[], None]:
+        """The launch of a publish input already checked."""
+        if isinstance(x, MoEOutput):
+            return functools.partial(self._launch_finalize, self._finalize[x.expert_weights.dtype], x, m)
+        publish = self._publish.launch
+        return lambda: publish(x=x, m=m)
+
+    def _check_finalize(self, moe: MoEOutput) -> int:
         if not self.top_k:
             raise TypeError("x: this op was built with top_k = 0 and cannot take a MoEOutput")
         hidden, top_k, device = self.hidden_size, self.top_k, self.device
@@ -235,11 +262,10 @@ class LamportOp:
             device=device,
             align=4,
         )
-        bound = self._finalize[weights.dtype]
-        return m, lambda: self._launch_finalize(bound, moe, m)
+        return m
 
     def _launch_finalize(self, bound: BoundKernel, moe: MoEOutput, m: int) -> None:
-        bound(
+        bound.launch(
             gemm2=moe.gemm2_permuted,
             weights=moe.expert_weights,
             index=moe.expanded_idx_to_permuted_idx,
@@ -356,6 +382,19 @@ class LamportOp:
     def _run(self, plan: Plan) -> Any:
         plan.publish()
         return plan.collect(True)
+
+    def _call(self, planner: Callable[..., Plan], *args: Any, **kwargs: Any) -> Any:
+        """One eager call: ``plan`` and ``_run`` without the plan's ordering wrappers (the hot path)."""
+        self._check_usable()
+        if self._pending_m is not None:
+            raise RuntimeError("a publish() is pending; call collect() first")
+        inner = planner(*args, **kwargs)
+        order = self._order
+        order.begin()
+        inner.publish()
+        result = inner.collect(True)
+        order.end()
+        return result
 
     def _describe(self) -> str:
         return (

@@ -26,10 +26,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .launch import current_stream_handle
+
+#: Whether the current stream captures: torch's C accessor (what is_current_stream_capturing calls).
+_is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
+
 
 def current_capture(stream: torch.cuda.Stream) -> int:
     """0 when ``stream`` (the current stream) is not capturing, else its capture's process-unique id."""
-    if not torch.cuda.is_current_stream_capturing():
+    if not _is_capturing():
         return 0
     from cuda.bindings import runtime
 
@@ -58,15 +63,33 @@ class CallOrder:
         self._streams: set[int] = set()
         self._eager_event = torch.cuda.Event(external=True)
         self._eager: _Recorded | None = None
+        self._eager_handle = 0
         self._captured: _Recorded | None = None
+        self._index = device.index if device.index is not None else torch.cuda.current_device()
+        #: The stream and capture id of the call in progress (between ``begin`` and ``end``).
         self.stream: torch.cuda.Stream | None = None
         self.capture = 0
+        self.in_call = False
 
     def own(self, *tensors: torch.Tensor) -> None:
         self._owned.extend(tensors)
 
+    def current(self) -> tuple[torch.cuda.Stream, int]:
+        """The current stream and its capture id; the previous eager call's stream object when it
+        is that one (torch's ``current_stream`` costs microseconds)."""
+        eager = self._eager
+        if eager is not None and not _is_capturing() and current_stream_handle(self._index) == self._eager_handle:
+            return eager.stream, 0
+        stream = torch.cuda.current_stream(self.device)
+        return stream, current_capture(stream)
+
     def begin(self) -> torch.cuda.Stream:
         """Before a call's first launch: order it after the previous call; returns the stream."""
+        self.in_call = True
+        if not _is_capturing() and self._eager is not None and current_stream_handle(self._index) == self._eager_handle:
+            # The common eager case, a call on the stream of the previous one: nothing to order.
+            self.stream, self.capture = self._eager.stream, 0
+            return self._eager.stream
         stream = torch.cuda.current_stream(self.device)
         capture = current_capture(stream)
         previous = self._captured if capture and self._captured and self._captured.capture == capture else None
@@ -85,13 +108,16 @@ class CallOrder:
         """After a call's last launch on its stream."""
         stream, capture = self.stream, self.capture
         assert stream is not None, "CallOrder.end() without begin()"
+        self.in_call = False
         if capture:
             event = torch.cuda.Event()
             event.record(stream)
             self._captured = _Recorded(stream, event, capture)
-        else:
-            self._eager_event.record(stream)
+            return
+        self._eager_event.record(stream)
+        if self._eager is None or self._eager.stream != stream:
             self._eager = _Recorded(stream, self._eager_event)
+            self._eager_handle = stream.cuda_stream
 
 
 class SideWork:
@@ -99,6 +125,9 @@ class SideWork:
 
     def __init__(self, device: torch.device) -> None:
         self.stream = torch.cuda.Stream(device)
+        #: The raw handle of ``stream``, for launches onto it (``BoundKernel(stream=...)``).
+        self.handle: int = self.stream.cuda_stream
+        self._fork_event = torch.cuda.Event()
         self._eager_event = torch.cuda.Event(external=True)
         self._eager_pending = False
         self._captured: _Recorded | None = None
@@ -107,6 +136,17 @@ class SideWork:
         """Persistent buffers the side work uses: freed only after the side work enqueued so far."""
         for tensor in tensors:
             tensor.record_stream(self.stream)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing forked since the last join: a join has nothing to wait for."""
+        return not self._eager_pending and self._captured is None
+
+    def fork(self, stream: torch.cuda.Stream) -> None:
+        """The side stream waits for what ``stream`` has enqueued so far (one event, reused: each
+        wait takes the record before it, eager or captured)."""
+        self._fork_event.record(stream)
+        self.stream.wait_event(self._fork_event)
 
     def launched(self, capture: int, tensors: Iterable[torch.Tensor]) -> None:
         """After the side launch: remember it for the next join; keep ``tensors`` alive until then."""

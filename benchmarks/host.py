@@ -1,0 +1,141 @@
+"""The host-overhead suite (``--suite host``): eager cost per call of every op, next to torch's.
+
+Each figure: ``calls`` back-to-back eager calls after a warm-up, outputs allocated by the op
+(no ``out=``), M = 1. *host* is the time the host thread spends per call (the launches are
+queued, nothing synchronises); *wall* adds the wait for the device at the end, per call. In
+the same run: ``F.rms_norm`` and ``x.add_(1)`` for scale, and the launch floor, a one-thread
+DSL kernel with one pointer launched through the same TVM-FFI path (``BoundKernel``) and through
+its bare entry point. Loopback tp 2: both ranks' calls through ``run_ranks``, per rank.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import cutlass.cute as cute
+import torch
+from cutlass import Int32
+
+from mhc_core.device.kernel import DeviceKernel
+from mhc_core.device.signature import Param, Ptr, Signature, Stream
+
+HC, MIX = 4, 24
+
+
+@dataclass(frozen=True)
+class TouchConfig:
+    """No constants: the floor kernel is the same everywhere."""
+
+
+class TouchKernel(DeviceKernel):
+    """One warp that does nothing: what a launch costs on the host, apart from any kernel's work."""
+
+    name = "touch"
+    config_type = TouchConfig
+
+    def signature(self) -> Signature:
+        return (Param("flag", Ptr(Int32, 4)), Param("stream", Stream()))
+
+    @cute.jit
+    def __call__(self, flag: cute.Pointer, stream) -> None:
+        self.kernel(flag).launch(grid=(1, 1, 1), block=(32, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, flag: cute.Pointer) -> None:
+        cute.arch.thread_idx()
+
+
+def eager_us(step: Callable[[], object], calls: int = 1000, warmup: int = 100) -> tuple[float, float]:
+    """(host, wall) microseconds per call of ``step``, run eagerly ``calls`` times."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        step()
+    queued = time.perf_counter()
+    torch.cuda.synchronize()
+    done = time.perf_counter()
+    return (queued - start) * 1e6 / calls, (done - start) * 1e6 / calls
+
+
+def _bf16(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, device="cuda").to(torch.bfloat16)
+
+
+def _dsv_args(m: int, hidden: int = 5120) -> tuple:
+    return (
+        _bf16(m, hidden), _bf16(m, HC, hidden), torch.rand(m, HC, device="cuda") * 2,
+        torch.softmax(torch.randn(m, HC, HC, device="cuda"), -1), torch.rand(m, HC, device="cuda"), _bf16(hidden), 1e-6,
+    )  # fmt: skip
+
+
+def _glm_args(m: int, hidden: int = 4096) -> tuple:
+    return (
+        _bf16(m, hidden), _bf16(m, HC, hidden), torch.rand(m, HC, 1, device="cuda") * 2,
+        torch.softmax(torch.randn(m, HC, HC, device="cuda"), -1),
+        (torch.randn(MIX, HC * hidden, device="cuda") * 0.02).to(torch.bfloat16),
+        torch.rand(3, device="cuda") + 0.5, torch.randn(MIX, device="cuda"), _bf16(hidden),
+    )  # fmt: skip
+
+
+def _moe_args(m: int, top_k: int, hidden: int = 5120) -> tuple:
+    rows = m * top_k
+    return (
+        _bf16(rows, hidden), torch.rand(m, top_k, device="cuda"),
+        torch.randperm(rows, device="cuda").to(torch.int32).view(m, top_k), _bf16(m, hidden),
+    )  # fmt: skip
+
+
+def rows(m: int = 1) -> list[tuple[str, int, float, float, int]]:
+    """``(label, tp, host us, wall us, launches)`` of every measured step."""
+    from mhc_core import LoopbackGroup, run_ranks
+    from mhc_core.host.compiler import compile_kernel, device_arch
+    from mhc_core.host.launch import BoundKernel, current_stream_handle
+    from mhc_dsv41 import AllReduceMHC
+    from mhc_glm5 import AllReduceMhcBoundary
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    out: list[tuple[str, int, float, float, int]] = []
+    flag = torch.zeros(4, dtype=torch.int32, device=device)
+    touch = compile_kernel(TouchKernel(TouchConfig()), device_arch(device))
+    bound = BoundKernel(touch.function, touch.kernel.signature(), {}, device)
+    entry, address, stream = touch.function, flag.data_ptr(), current_stream_handle(device.index)
+    out.append(("launch floor: bare TVM-FFI entry point", 1, *eager_us(lambda: entry(address, stream)), 1))
+    out.append(("launch floor: BoundKernel", 1, *eager_us(lambda: bound(flag=flag)), 1))
+    x, weight = _bf16(m, 4096), _bf16(4096)
+    out.append(("torch F.rms_norm", 1, *eager_us(lambda: torch.nn.functional.rms_norm(x, (4096,), weight, 1e-6)), 1))
+    out.append(("torch x.add_(1)", 1, *eager_us(lambda: x.add_(1)), 1))
+
+    dsv = AllReduceMHC.from_preset("h200-tp1-h5120", max_num_tokens=max(m, 8), device=device)
+    args = _dsv_args(m)
+    out.append(("AllReduceMHC.__call__", 1, *eager_us(lambda: dsv(*args)), 1))
+    moe = _moe_args(m, dsv.top_k)
+    out.append(("AllReduceMHC.finalize", 1, *eager_us(lambda: dsv.finalize(*moe, *args[1:])), 2))
+    glm = AllReduceMhcBoundary.from_preset("h200-tp1-h4096", max_num_tokens=max(m, 8), device=device)
+    glm_args = _glm_args(m)
+
+    def glm_step() -> None:
+        glm(*glm_args)
+        glm.join()
+
+    out.append(("AllReduceMhcBoundary.__call__ + join()", 1, *eager_us(glm_step), 2))
+
+    group = LoopbackGroup(2, device)
+    dsv2 = [AllReduceMHC.from_preset("h200-tp2-h5120", max_num_tokens=8, device=device, group=r) for r in group]
+    dsv2_args = [_dsv_args(m) for _ in group]
+    host, wall = eager_us(lambda: run_ranks(dsv2, "call", dsv2_args), calls=500)
+    out.append(("AllReduceMHC.__call__, per rank", 2, host / 2, wall / 2, 2))
+    glm2 = [AllReduceMhcBoundary.from_preset("h200-tp2-h4096", max_num_tokens=8, device=device, group=r) for r in group]
+    glm2_args = [_glm_args(m) for _ in group]
+
+    def glm2_step() -> None:
+        run_ranks(glm2, "call", glm2_args)
+        for op in glm2:
+            op.join()
+
+    host, wall = eager_us(glm2_step, calls=500)
+    out.append(("AllReduceMhcBoundary.__call__ + join(), per rank", 2, host / 2, wall / 2, 3))
+    return out
