@@ -29,13 +29,22 @@ MODELS = ("dsv41", "glm5")
 PACKAGES = {"dsv41": "mhc_dsv41", "glm5": "mhc_glm5"}
 
 
-def ensure_importable() -> None:
-    """Put ``packages/*/src`` on ``sys.path`` for the packages that are not installed."""
+def ensure_importable() -> list[str]:
+    """Put the checkout's ``packages/*/src`` first on ``sys.path`` (its sources win over an
+    installed wheel: this tool checks the tree it ships in); one line per package saying which
+    copy is imported."""
+    lines = []
     for distribution in ("mhc-core", "mhc-dsv41", "mhc-glm5"):
         package = distribution.replace("-", "_")
         src = ROOT / "packages" / distribution / "src"
-        if importlib.util.find_spec(package) is None and str(src) not in sys.path:
-            sys.path.insert(0, str(src))
+        if str(src) in sys.path:
+            sys.path.remove(str(src))
+        sys.path.insert(0, str(src))
+        spec = importlib.util.find_spec(package)
+        origin = Path(spec.origin).parent if spec is not None and spec.origin else None
+        where = "the checkout" if origin is not None and origin.is_relative_to(src) else "an installed copy"
+        lines.append(f"{package}: {origin} ({where})")
+    return lines
 
 
 @dataclass(frozen=True)
@@ -178,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--model", choices=MODELS, help="only this model's presets")
     args = parser.parse_args(argv)
-    ensure_importable()
+    for line in ensure_importable():
+        print(line, flush=True)
 
     from mhc_core.constants import SUPPORTED_ARCHS
     from mhc_core.host.compiler import compile_kernel

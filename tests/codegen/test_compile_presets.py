@@ -90,3 +90,15 @@ def test_one_real_preset() -> None:
 def test_unknown_preset() -> None:
     with pytest.raises(SystemExit, match="unknown preset"):
         compile_presets.select_presets(["dsv41"], ["no-such-preset"])
+
+
+def test_names_the_copy_it_imports_and_refuses_unknown_presets() -> None:
+    """The checkout's sources win over an installed wheel, and the tool says so; an unknown preset
+    name is an error (exit status 1 and its name), never a silent skip."""
+    command = [sys.executable, "-m", "tools.compile_presets", "--preset", "dsv41.no-such-preset"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
+    assert done.returncode != 0
+    assert "unknown preset(s) dsv41.no-such-preset" in done.stderr
+    for package, distribution in (("mhc_core", "mhc-core"), ("mhc_dsv41", "mhc-dsv41"), ("mhc_glm5", "mhc-glm5")):
+        expected = f"{package}: {ROOT / 'packages' / distribution / 'src' / package} (the checkout)"
+        assert expected in done.stdout.splitlines(), done.stdout

@@ -20,10 +20,12 @@ GLM = "glm5.h200-tp4-h4096"  # hidden 4096, tp 4, cluster 8 (256 threads)
 DELETE = object()
 
 ARCHS = "('sm_90a', 'sm_100a', 'sm_103a')"
-DSV_KEYS = "hidden, hc, tp, top_k, cluster_size, threads, rank_lanes, norm_eps, archs, publish_threads, description"
+DSV_KEYS = (
+    "hidden, hc, tp, top_k, cluster_size, threads, rank_lanes, norm_eps, archs, publish_threads, tuned, description"
+)
 GLM_KEYS = (
     "hidden, hc, tp, top_k, cluster_size, cluster_tokens, rms_eps, hc_eps, post_mult, sinkhorn_repeat, "
-    "norm_eps, archs, publish_threads, mixes_threads, description"
+    "norm_eps, archs, publish_threads, mixes_threads, tuned, description"
 )
 
 # (preset, changed keys, message after "presets.toml: [preset] ")

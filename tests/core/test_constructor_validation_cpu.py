@@ -68,6 +68,8 @@ SPECIFIC = {
         ("rank_lanes", 3, ValueError, "rank_lanes:"),
         ("hc_mult", 0, ValueError, "hc_mult: expected >= 1"),
         ("top_k", 0, ValueError, "top_k: expected >= 1"),
+        ("norm_eps", 0.0, ValueError, "norm_eps: expected a finite value > 0"),
+        ("norm_eps", "1e-6", TypeError, "norm_eps: expected a float"),
     ],
     "glm5": [
         *PUBLISH_THREADS,
@@ -107,3 +109,17 @@ def test_is_supported_never_raises_here() -> None:
 
     assert mhc_core.is_supported() is False
     assert mhc_core.is_supported("cuda:0") is False
+
+
+def test_both_models_take_norm_eps_at_construction() -> None:
+    """Symmetric APIs: both ops take ``norm_eps`` as a constructor argument (and from a preset); the
+    DSV op's calls may still pass one, its default is the op's."""
+    import inspect
+
+    from mhc_dsv41 import AllReduceMHC
+    from mhc_glm5 import AllReduceMhcBoundary
+
+    for op_type in (AllReduceMHC, AllReduceMhcBoundary):
+        assert "norm_eps" in inspect.signature(op_type.__init__).parameters, op_type
+    for method in (AllReduceMHC.__call__, AllReduceMHC.finalize, AllReduceMHC.collect):
+        assert inspect.signature(method).parameters["norm_eps"].default is None, method

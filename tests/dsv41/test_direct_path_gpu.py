@@ -90,3 +90,17 @@ def test_finalize_keeps_the_mailbox_path(op) -> None:
     for result in (two_phase, called):
         for got, expected, name in zip(result, finalized, ("residual_out", "layer_input"), strict=True):
             assert_bitwise_equal(got, expected, name)
+
+
+def test_norm_eps_defaults_to_the_ops(op) -> None:
+    """A call without ``norm_eps`` uses the op's (the preset's): bitwise the call that passes it."""
+    generator = torch.Generator("cuda").manual_seed(9)
+    x = bf16_randn(4, HIDDEN, generator=generator)
+    residual, post, comb, pre, weight, _ = collect_args(4, generator)
+    assert op.norm_eps == NORM_EPS
+    implicit = op(x, residual, post, comb, pre, weight, out=outs(4))
+    explicit = op(x, residual, post, comb, pre, weight, op.norm_eps, out=outs(4))
+    other = op(x, residual, post, comb, pre, weight, 1e-2, out=outs(4))
+    for got, expected, name in zip(implicit, explicit, ("residual_out", "layer_input"), strict=True):
+        assert_bitwise_equal(got, expected, name)
+    assert not torch.equal(other[1], explicit[1]), "an explicit norm_eps must still win"

@@ -7,6 +7,7 @@ The code generator adds the file and the preset's name.
 
 from __future__ import annotations
 
+import logging
 import math
 
 from .constants import SUPPORTED_ARCHS, VEC_BF16
@@ -88,3 +89,18 @@ def require_name(value: object) -> None:
 def module_name(preset_name: str) -> str:
     """The generated module's name for a preset name: ``h200-tp2-h4096`` -> ``h200_tp2_h4096``."""
     return preset_name.replace("-", "_")
+
+
+def warn_if_untuned(preset: object) -> bool:
+    """Log a warning (logger ``mhc``) when ``preset`` is not marked ``tuned``: its geometry comes from
+    a rule, the seed's values or another host's measurements, so it is correct but its speed on its
+    target was never measured. Returns whether it warned."""
+    if getattr(preset, "tuned", False):
+        return False
+    logging.getLogger("mhc").warning(
+        "preset %r is untuned: its geometry was not measured on its target (%s); the op is correct, its "
+        "speed there is unmeasured (presets.toml says where the values come from)",
+        getattr(preset, "name", preset),
+        getattr(preset, "description", ""),
+    )
+    return True

@@ -62,6 +62,9 @@ class DSV41Preset:
     norm_eps: float
     archs: tuple[str, ...]
     publish_threads: int = 128
+    #: Whether the geometry was measured on the preset's own target (False: a rule or another
+    #: host's values; building the op logs a warning).
+    tuned: bool = False
     description: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -77,6 +80,7 @@ class DSV41Preset:
         require_threads("publish_threads", self.publish_threads)
         require_positive_float("norm_eps", self.norm_eps)
         require_archs(self.archs)
+        require(isinstance(self.tuned, bool), "tuned", "must be true or false", self.tuned)
         require(
             self.trips * self.hc <= MAX_TRIP_STREAMS,
             "cluster_size",

@@ -95,9 +95,12 @@ def _(state, handle, residual, post, comb, pre, norm_weight, norm_eps):
 
 
 def boundary(op: Any, x: Any, residual: Tensor, post: Tensor, comb: Tensor, pre: Tensor, norm_weight: Tensor,
-             norm_eps: float) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """``op(x, ...)`` (or ``op.finalize`` for a ``MoEOutput`` x) of an ``AllReduceMHC`` through the custom ops."""
+             norm_eps: float | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``op(x, ...)`` (or ``op.finalize`` for a ``MoEOutput`` x) of an ``AllReduceMHC`` through the custom ops
+    (``norm_eps`` None: the op's)."""
     from mhc_core.host.moe import MoEOutput
+
+    norm_eps = op.norm_eps if norm_eps is None else norm_eps
 
     if isinstance(x, MoEOutput):
         return torch.ops.mhc.dsv41_finalize(
@@ -108,6 +111,8 @@ def boundary(op: Any, x: Any, residual: Tensor, post: Tensor, comb: Tensor, pre:
 
 
 def collect(op: Any, residual: Tensor, post: Tensor, comb: Tensor, pre: Tensor, norm_weight: Tensor,
-            norm_eps: float) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """``op.collect(...)`` through the custom ops (after ``mhc_core.host.library.publish_input``)."""
+            norm_eps: float | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``op.collect(...)`` through the custom ops (after ``mhc_core.host.library.publish_input``;
+    ``norm_eps`` None: the op's)."""
+    norm_eps = op.norm_eps if norm_eps is None else norm_eps
     return torch.ops.mhc.dsv41_collect(op.state, op.handle, residual, post, comb, pre, norm_weight, norm_eps)

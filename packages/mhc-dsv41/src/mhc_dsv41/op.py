@@ -18,16 +18,13 @@ from mhc_core.device.publish import TRIGGER_AFTER_STORES
 from mhc_core.host.moe import MoEOutput
 from mhc_core.host.op import LamportOp, Plan
 from mhc_core.host.validation import check_int, check_positive_float, check_tensor
+from mhc_core.presets import warn_if_untuned
 
 from . import library  # noqa: F401  (registers the mhc::dsv41_* custom ops)
 from .config import DSV41Preset, default_geometry
 from .kernel import LamportMHCKernel, MHCConfig
 
 Outputs = tuple[torch.Tensor, torch.Tensor]
-
-
-def _no_publish() -> None:
-    """A tp = 1 plain call's publish: none (the collective reads x)."""
 
 
 class AllReduceMHC(LamportOp):
@@ -49,6 +46,8 @@ class AllReduceMHC(LamportOp):
         spin_timeout_ms: device-side bound on every poll (off by default; also
             ``MHC_SPIN_TIMEOUT_MS``).
         check_routes: verify MoE route indices on the device (debug mode).
+        norm_eps: the RMSNorm epsilon of every call that passes none (as ``AllReduceMhcBoundary``
+            takes it; a preset's ``norm_eps`` with ``from_preset``). A call may still pass its own.
     """
 
     weight_dtypes = (torch.float32,)
@@ -69,8 +68,10 @@ class AllReduceMHC(LamportOp):
         publish_threads: int = 128,
         spin_timeout_ms: float | None = None,
         check_routes: bool = False,
+        norm_eps: float = 1e-6,
     ) -> None:
         self.hc_mult = check_int("hc_mult", hc_mult, minimum=1, maximum=16)
+        self.norm_eps = check_positive_float("norm_eps", norm_eps)
         check_int("top_k", top_k, minimum=1)
         super().__init__(
             hidden_size=hidden_size,
@@ -104,6 +105,7 @@ class AllReduceMHC(LamportOp):
         **options: Any,
     ) -> AllReduceMHC:
         """An op with a preset's geometry; the group's size must be the preset's tp."""
+        warn_if_untuned(preset)
         op = cls(
             hidden_size=preset.hidden,
             hc_mult=preset.hc,
@@ -115,7 +117,7 @@ class AllReduceMHC(LamportOp):
             threads=preset.threads,
             rank_lanes=preset.rank_lanes,
             publish_threads=preset.publish_threads,
-            **options,
+            **{"norm_eps": preset.norm_eps, **options},
         )
         if op.tp != preset.tp:
             raise ValueError(f"group: preset {preset.name!r} is for tp = {preset.tp}, the group has tp = {op.tp}")
@@ -143,20 +145,10 @@ class AllReduceMHC(LamportOp):
         collect = self._prepare_collect(1, residual, mixes, comb, mixes, weight, 1e-6, None)
         return [collect]
 
-    def _prepare_collect(
-        self,
-        m: int,
-        residual: torch.Tensor,
-        post: torch.Tensor,
-        comb: torch.Tensor,
-        pre: torch.Tensor,
-        norm_weight: torch.Tensor,
-        norm_eps: float,
-        out: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> Callable[[bool], Outputs]:
-        """Validate every collective input for M tokens; return the launch."""
-        self._check_collect(m, residual, post, comb, pre, norm_weight, norm_eps, out)
-        return self._collect_launch(m, residual, post, comb, pre, norm_weight, norm_eps, out)
+    def _prepare_collect(self, m: int, *args: Any) -> Callable[[bool], Outputs]:
+        """Validate every collective input for M tokens (``_check_collect``'s arguments); return the launch."""
+        self._check_collect(m, *args)
+        return self._collect_launch(m, *args)
 
     def _check_collect(
         self,
@@ -194,6 +186,7 @@ class AllReduceMHC(LamportOp):
         norm_weight: torch.Tensor,
         norm_eps: float,
         out: tuple[torch.Tensor, torch.Tensor] | None,
+        *,
         x: torch.Tensor | None = None,
     ) -> Callable[[bool], Outputs]:
         """The launch of checked collective inputs (with ``x``, checked too: the tp = 1 direct read)."""
@@ -233,35 +226,13 @@ class AllReduceMHC(LamportOp):
         comb: torch.Tensor,
         pre: torch.Tensor,
         norm_weight: torch.Tensor,
-        norm_eps: float,
+        norm_eps: float | None = None,
         *,
         out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> Plan:
-        collect_args = (residual, post, comb, pre, norm_weight, norm_eps, out)
+        collect_args = (residual, post, comb, pre, norm_weight, self.norm_eps if norm_eps is None else norm_eps, out)
         self._checked(("call", x, *collect_args), lambda: self._check_collect(self._check_publish(x), *collect_args))
         return self._plan_checked(x, *collect_args)
-
-    def _plan_checked(
-        self,
-        x: torch.Tensor | MoEOutput,
-        residual: torch.Tensor,
-        post: torch.Tensor,
-        comb: torch.Tensor,
-        pre: torch.Tensor,
-        norm_weight: torch.Tensor,
-        norm_eps: float,
-        out: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> Plan:
-        """The plan of a call whose arguments passed every check."""
-        collect_args = (residual, post, comb, pre, norm_weight, norm_eps, out)
-        if isinstance(x, MoEOutput):
-            m = x.shared_output.shape[0]
-        else:
-            m = x.shape[0]
-            if self.tp == 1:
-                # Nothing to all-reduce: the collective reads x; no publish is launched.
-                return Plan(m, _no_publish, self._collect_launch(m, *collect_args, x=x))
-        return Plan(m, self._publish_launch(x, m), self._collect_launch(m, *collect_args))
 
     def _plan_finalize(
         self,
@@ -273,14 +244,17 @@ class AllReduceMHC(LamportOp):
         out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> Plan:
         moe = MoEOutput(gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx, shared_output)
-        if len(collect_args) != 6:
+        if len(collect_args) not in (5, 6):
             raise TypeError(
-                "finalize: expected residual, post, comb, pre, norm_weight and norm_eps after the MoE tensors, "
-                f"got {len(collect_args)} more arguments"
+                "finalize: expected residual, post, comb, pre, norm_weight (and optionally norm_eps) after the MoE "
+                f"tensors, got {len(collect_args)} more arguments"
             )
-        values = (gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx, shared_output, *collect_args, out)
-        self._checked(("finalize", *values), lambda: self._check_collect(self._check_publish(moe), *collect_args, out))
-        return self._plan_checked(moe, *collect_args, out)
+        residual, post, comb, pre, norm_weight = collect_args[:5]
+        norm_eps = collect_args[5] if len(collect_args) == 6 and collect_args[5] is not None else self.norm_eps
+        args = (residual, post, comb, pre, norm_weight, norm_eps, out)
+        values = (gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx, shared_output, *args)
+        self._checked(("finalize", *values), lambda: self._check_collect(self._check_publish(moe), *args))
+        return self._plan_checked(moe, *args)
 
     def supports(self, tokens: int) -> bool:
         """Whether a call with ``tokens`` tokens fits this op (``1 <= tokens <= max_num_tokens``)."""
@@ -294,7 +268,7 @@ class AllReduceMHC(LamportOp):
         comb: torch.Tensor,
         pre: torch.Tensor,
         norm_weight: torch.Tensor,
-        norm_eps: float,
+        norm_eps: float | None = None,
         *,
         out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -309,7 +283,7 @@ class AllReduceMHC(LamportOp):
             comb: [M, hc, hc] FP32 residual mix, indexed [source, target].
             pre: [M, hc] FP32 carried pre-mix for the collapse.
             norm_weight: [hidden] BF16 RMSNorm weight.
-            norm_eps: RMSNorm epsilon (finite, > 0).
+            norm_eps: RMSNorm epsilon (finite, > 0); None: the op's ``norm_eps``.
             out: optional preallocated (residual_out, layer_input).
         """
         return cast(Outputs, self._call(self._plan_call, x, residual, post, comb, pre, norm_weight, norm_eps, out=out))
@@ -325,7 +299,7 @@ class AllReduceMHC(LamportOp):
         comb: torch.Tensor,
         pre: torch.Tensor,
         norm_weight: torch.Tensor,
-        norm_eps: float,
+        norm_eps: float | None = None,
         *,
         out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -360,7 +334,7 @@ class AllReduceMHC(LamportOp):
         comb: torch.Tensor,
         pre: torch.Tensor,
         norm_weight: torch.Tensor,
-        norm_eps: float,
+        norm_eps: float | None = None,
         *,
         out: tuple[torch.Tensor, torch.Tensor] | None = None,
         after_publish: bool = False,
@@ -368,10 +342,11 @@ class AllReduceMHC(LamportOp):
         """Phase two, for the pending ``publish``. ``after_publish=True`` promises that the
         kernel right before on this stream is that publish (the collective then loads its
         inputs before the PDL wait)."""
+        eps = self.norm_eps if norm_eps is None else norm_eps
         return cast(
             Outputs,
             self._collect_pending(
-                lambda m: self._prepare_collect(m, residual, post, comb, pre, norm_weight, norm_eps, out),
+                lambda m: self._prepare_collect(m, residual, post, comb, pre, norm_weight, eps, out),
                 after_publish,
             ),
         )

@@ -215,6 +215,9 @@ class GLM5Preset:
     archs: tuple[str, ...]
     publish_threads: int = 128
     mixes_threads: int = 128
+    #: Whether the geometry was measured on the preset's own target (False: a rule or another
+    #: host's values; building the op logs a warning).
+    tuned: bool = False
     description: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -285,6 +288,7 @@ class GLM5Preset:
         require_threads("publish_threads", self.publish_threads)
         require_threads("mixes_threads", self.mixes_threads)
         require_archs(self.archs)
+        require(isinstance(self.tuned, bool), "tuned", "must be true or false", self.tuned)
 
     # ------------------------------------------------------------ geometry
     @property

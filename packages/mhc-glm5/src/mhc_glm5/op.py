@@ -39,7 +39,7 @@ from mhc_core.host.moe import MoEOutput
 from mhc_core.host.op import LamportOp, Plan
 from mhc_core.host.streams import SideWork
 from mhc_core.host.validation import check_int, check_tensor
-from mhc_core.presets import PresetError
+from mhc_core.presets import PresetError, warn_if_untuned
 
 from . import library  # noqa: F401  (registers the mhc::glm5_* custom ops)
 from .config import HC, MIX, GLM5Preset, thresholds_from_mapping
@@ -47,10 +47,6 @@ from .config import HC, MIX, GLM5Preset, thresholds_from_mapping
 Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 OUTPUT_NAMES = ("out[0] (residual_out)", "out[1] (post_out)", "out[2] (comb_out)", "out[3] (layer_input)")
 OUTPUT_DTYPES = (torch.bfloat16, torch.float32, torch.float32, torch.bfloat16)
-
-
-def _no_publish() -> None:
-    """A tp = 1 plain call's publish: none (the boundary reads x)."""
 
 
 Thresholds = tuple[tuple[int, int], ...]
@@ -163,6 +159,7 @@ class AllReduceMhcBoundary(LamportOp):
         **options: Any,
     ) -> AllReduceMhcBoundary:
         """An op with a preset's constants and geometry; the group's size must be the preset's tp."""
+        warn_if_untuned(preset)
         op = cls(
             hidden_size=preset.hidden,
             max_num_tokens=max_num_tokens,
@@ -251,22 +248,11 @@ class AllReduceMhcBoundary(LamportOp):
             for tokens in self._boundaries
         ]
 
-    def _prepare_collect(
-        self,
-        m: int,
-        residual: torch.Tensor,
-        post: torch.Tensor,
-        comb: torch.Tensor,
-        fn: torch.Tensor,
-        scale: torch.Tensor,
-        base: torch.Tensor,
-        norm_weight: torch.Tensor,
-        out: Sequence[torch.Tensor] | None,
-        tokens: int | None = None,
-    ) -> Callable[[bool], Outputs]:
-        """Validate every boundary input for M tokens; return the launch (boundary, then side mixes)."""
-        self._check_collect(m, residual, post, comb, fn, scale, base, norm_weight, out)
-        return self._collect_launch(m, residual, post, comb, fn, scale, base, norm_weight, out, tokens=tokens)
+    def _prepare_collect(self, m: int, *args: Any, tokens: int | None = None) -> Callable[[bool], Outputs]:
+        """Validate every boundary input for M tokens (``_check_collect``'s arguments); return the launch
+        (boundary, then side mixes)."""
+        self._check_collect(m, *args)
+        return self._collect_launch(m, *args, tokens=tokens)
 
     def _check_collect(
         self,
@@ -310,6 +296,7 @@ class AllReduceMhcBoundary(LamportOp):
         base: torch.Tensor,
         norm_weight: torch.Tensor,
         out: Sequence[torch.Tensor] | None,
+        *,
         tokens: int | None = None,
         x: torch.Tensor | None = None,
     ) -> Callable[[bool], Outputs]:
@@ -377,14 +364,7 @@ class AllReduceMhcBoundary(LamportOp):
     ) -> Plan:
         args = (residual, post, comb, fn, scale, base, norm_weight, out)
         self._checked(("call", x, *args), lambda: self._check_collect(self._check_publish(x), *args))
-        if isinstance(x, MoEOutput):
-            m = x.shared_output.shape[0]
-        else:
-            m = x.shape[0]
-            if self.tp == 1:
-                # Nothing to all-reduce: the boundary reads x; no publish is launched.
-                return Plan(m, _no_publish, self._collect_launch(m, *args, x=x))
-        return Plan(m, self._publish_launch(x, m), self._collect_launch(m, *args))
+        return self._plan_checked(x, *args)
 
     def __call__(
         self,

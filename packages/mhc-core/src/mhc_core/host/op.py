@@ -47,6 +47,10 @@ WEIGHT_TORCH_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 MAX_NUM_TOKENS = 2**30 - 1
 
 
+def _no_publish() -> None:
+    """A tp = 1 plain call's publish: none (the collective reads x)."""
+
+
 @dataclass
 class Plan:
     """One validated call, split into its two launches (nothing launched yet)."""
@@ -58,6 +62,10 @@ class Plan:
 
 class LamportOp:
     """Base of the fused ops (see the module docstring)."""
+
+    #: A model op's ``_collect_launch(m, *checked_args, x=None)``: the collective's launch for
+    #: checked arguments (with ``x``: the tp = 1 direct read).
+    _collect_launch: Callable[..., Callable[[bool], Any]]
 
     #: Routing-weight dtypes the finalize publish accepts.
     weight_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
@@ -235,6 +243,17 @@ class LamportOp:
             return functools.partial(self._launch_finalize, self._finalize[x.expert_weights.dtype], x, m)
         publish = self._publish.launch
         return lambda: publish(x=x, m=m)
+
+    def _plan_checked(self, x: torch.Tensor | MoEOutput, *collect_args: Any) -> Plan:
+        """The plan of a call whose arguments passed every check. At tp = 1 a plain call has nothing
+        to all-reduce: the collective reads x itself and no publish is launched."""
+        if isinstance(x, MoEOutput):
+            m = x.shared_output.shape[0]
+        else:
+            m = x.shape[0]
+            if self.tp == 1:
+                return Plan(m, _no_publish, self._collect_launch(m, *collect_args, x=x))
+        return Plan(m, self._publish_launch(x, m), self._collect_launch(m, *collect_args))
 
     def _check_finalize(self, moe: MoEOutput) -> int:
         if not self.top_k:

@@ -36,6 +36,7 @@ PRESET = DSV41Preset(
     norm_eps=1e-06,
     archs=("sm_103a", "sm_100a"),
     publish_threads=128,
+    tuned=False,
     description="GB300, TP4: the seed's LL_ALL_REDUCE_GB300_TP4_H5120 geometry",
 )
 

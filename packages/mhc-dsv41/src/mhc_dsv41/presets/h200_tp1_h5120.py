@@ -36,6 +36,7 @@ PRESET = DSV41Preset(
     norm_eps=1e-06,
     archs=("sm_90a",),
     publish_threads=128,
+    tuned=True,
     description="H200, TP1 (no peers: the publish stores to the own mailbox only)",
 )
 

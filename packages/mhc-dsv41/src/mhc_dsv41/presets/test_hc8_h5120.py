@@ -36,6 +36,7 @@ PRESET = DSV41Preset(
     norm_eps=1e-06,
     archs=("sm_90a",),
     publish_threads=128,
+    tuned=False,
     description="test shape: hc = 8 residual streams (twice the model's), TP4",
 )
 

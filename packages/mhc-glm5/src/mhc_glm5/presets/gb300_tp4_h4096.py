@@ -40,6 +40,7 @@ PRESET = GLM5Preset(
     archs=("sm_103a", "sm_100a"),
     publish_threads=128,
     mixes_threads=128,
+    tuned=False,
     description="GB300, TP4: the seed's shape (8-CTA clusters)",
 )
 

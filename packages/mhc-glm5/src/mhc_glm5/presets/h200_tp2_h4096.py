@@ -40,6 +40,7 @@ PRESET = GLM5Preset(
     archs=("sm_90a",),
     publish_threads=128,
     mixes_threads=128,
+    tuned=True,
     description="H200, TP2",
 )
 

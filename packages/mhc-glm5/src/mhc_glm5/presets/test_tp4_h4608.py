@@ -40,6 +40,7 @@ PRESET = GLM5Preset(
     archs=("sm_90a",),
     publish_threads=128,
     mixes_threads=128,
+    tuned=False,
     description="test shape: hidden 4608, not a multiple of the 1024-element publish tile, TP4",
 )
 
