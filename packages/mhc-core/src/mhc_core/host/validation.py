@@ -83,8 +83,15 @@ def leading_extent(name: str, tensor: object) -> int:
     return int(tensor.shape[0])
 
 
+#: Values that enter a key as themselves (the common non-tensor arguments: eps, None, names).
+_PLAIN = frozenset({int, float, bool, str, type(None)})
+
+
 def _argument_key(value: object) -> object:
-    if type(value) is torch.Tensor or isinstance(value, torch.Tensor):
+    kind = type(value)
+    if kind in _PLAIN:
+        return (kind, value)
+    if isinstance(value, torch.Tensor):
         # Everything check_tensor reads: dtype, shape, device, contiguity and the pointer's
         # alignment (its low bits: every alignment checked is <= 16 bytes).
         return (value.dtype, value.shape, value.device, value.is_contiguous(), value.data_ptr() & 15)
