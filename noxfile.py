@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parent
 PACKAGES = ("mhc-core", "mhc-dsv41", "mhc-glm5")
 SOURCES = [str(ROOT / "packages" / package / "src") for package in PACKAGES]
 DSL = "nvidia-cutlass-dsl==4.8.1"
+TVM_FFI = "apache-tvm-ffi>=0.1.15,<0.2"
 # Plain "torch" takes the newest release pip finds, on this project's machines a CUDA build of
 # several GB; 2.13.0 is the CPU build that lies on their disk (pip's find-links), and any host
 # where it is not on disk gets 2.13.0 from PyPI. Override with MHC_TORCH="torch==X.Y.Z".
@@ -72,10 +73,12 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(tags=["build"])
 def build(session: nox.Session) -> None:
-    """Generate, compile every preset's kernels for its archs (no GPU), build the three wheels into dist/."""
-    session.install(TORCH, DSL, "numpy", "jinja2", HATCHLING, "build")
+    """Generate, compile every preset's kernels for its archs (no GPU), export them into one library per
+    model package and arch, build the three wheels (the model wheels carrying their kernels) into dist/."""
+    session.install(TORCH, DSL, "numpy", "jinja2", HATCHLING, "build", TVM_FFI)
     session.run("python", "-m", "codegen")
     session.run("python", "-m", "tools.compile_presets", *session.posargs)
+    session.run("python", "-m", "tools.export_kernels", *session.posargs)
     for package in PACKAGES:
         session.run("python", "-m", "build", "--wheel", "--no-isolation", "--outdir", "dist", f"packages/{package}")
 

@@ -70,3 +70,68 @@ def test_argument_keys_of_moe_outputs_and_unhashable_values() -> None:
     seen = ValidatedCalls()
     with pytest.raises(TypeError):
         _ = argument_key([1], {}) in seen  # a dict is unhashable: the op then runs every check
+
+
+def test_a_shipped_kernel_loads_instead_of_compiling(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``compile_kernel`` finds a kernel's full key in a manifest and loads its entry point from the
+    library: ``cute.compile`` is never called. A different key (another arch) still compiles."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import cutlass.cute as cute
+
+    from mhc_core.host import artifacts, compiler
+
+    if shutil.which("cc") is None:
+        pytest.skip("linking the kernels needs a C compiler (cc)")
+    root = Path(__file__).resolve().parents[2]
+    command = [sys.executable, "-m", "tools.export_kernels", "--preset", "dsv41.h200-tp1-h5120", "--out", str(tmp_path)]
+    done = subprocess.run(command, cwd=root, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    manifest = tmp_path / "mhc_dsv41" / "kernels" / "sm_90a" / artifacts.MANIFEST
+    monkeypatch.setattr(artifacts, "_index", lambda: artifacts.read_manifest(manifest))
+    monkeypatch.setattr(compiler, "_CACHE", {})
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("cute.compile was called for a shipped kernel")
+
+    from mhc_dsv41.presets import h200_tp1_h5120
+
+    kernel = h200_tp1_h5120.kernels("sm_90a")["collective"]
+    with monkeypatch.context() as patch:
+        patch.setattr(cute, "compile", refuse)
+        loaded = compiler.compile_kernel(kernel, "sm_90a")
+    assert loaded.compiled is None and type(loaded.function).__name__ == "Function"
+    monkeypatch.setenv(artifacts.PREBUILT_ENV, "0")
+    assert artifacts.lookup(artifacts.kernel_key(kernel, "sm_90a", compiler.CALLING_CONVENTION)) is None
+
+
+def test_a_kernel_compiled_here_persists_in_the_cache(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With MHC_CACHE_DIR set, a compiled kernel is exported there under its key, and a later
+    ``compile_kernel`` (an empty in-process cache, as in a new process) loads it without compiling."""
+    import shutil
+
+    import cutlass.cute as cute
+
+    from mhc_core.host import artifacts, compiler
+    from mhc_dsv41.presets import h200_tp1_h5120
+
+    if shutil.which("cc") is None:
+        pytest.skip("linking the kernels needs a C compiler (cc)")
+    monkeypatch.setenv(artifacts.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(artifacts, "_index", lambda: {})  # nothing shipped
+    monkeypatch.setattr(compiler, "_CACHE", {})
+    kernel = h200_tp1_h5120.kernels("sm_90a")["publish"]
+    compiler.compile_kernel(kernel, "sm_90a", persist=True)
+    key = artifacts.kernel_key(kernel, "sm_90a", compiler.CALLING_CONVENTION)
+    assert (tmp_path / "sm_90a" / f"{key.symbol}.so").exists()
+    monkeypatch.setattr(compiler, "_CACHE", {})
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("cute.compile was called for a cached kernel")
+
+    monkeypatch.setattr(cute, "compile", refuse)
+    loaded = compiler.compile_kernel(kernel, "sm_90a", persist=True)
+    assert loaded.compiled is None and type(loaded.function).__name__ == "Function"

@@ -139,19 +139,29 @@ def parse_ptxas_report(text: str, seconds: float) -> CompileReport:
 _CACHE: dict[tuple, CompiledKernel] = {}
 
 
-def compile_kernel(kernel: DeviceKernel, arch: str, *, inspect: bool = False) -> CompiledKernel:
-    """Compile ``kernel`` for ``arch`` (cached per process).
+def compile_kernel(
+    kernel: DeviceKernel, arch: str, *, inspect: bool = False, prebuilt: bool = True, persist: bool = False
+) -> CompiledKernel:
+    """Compile ``kernel`` for ``arch`` (cached per process), or load it from an installed model
+    package's exported kernels when its full key is in their manifests (``mhc_core.host.artifacts``;
+    ``prebuilt=False`` or ``MHC_PREBUILT=0`` always compiles). ``persist=True`` (what the ops pass)
+    exports a kernel compiled here into the on-disk cache for the next process.
 
-    ``inspect=True`` also keeps the PTX and ptxas's register/spill report; the
+    ``inspect=True`` also keeps the PTX and ptxas's register/spill report (always compiled); the
     key includes it, the arch and the DSL version, so a plain build is never
     served an inspected one's options or another target's binary.
     """
     check_arch(arch)
     kind = (type(kernel).__module__, type(kernel).__qualname__)
-    key = (*kind, kernel.config, arch, DSL_VERSION, CALLING_CONVENTION, inspect)
+    key = (*kind, kernel.config, arch, DSL_VERSION, CALLING_CONVENTION, inspect, prebuilt)
     cached = _CACHE.get(key)
     if cached is not None:
         return cached
+    if prebuilt and not inspect:
+        shipped = _load_shipped(kernel, arch)
+        if shipped is not None:
+            _CACHE[key] = shipped
+            return shipped
     options = f"--gpu-arch {arch} {COMPILE_OPTIONS}"
     fakes = fake_arguments(kernel.signature())
     start = time.perf_counter()
@@ -169,6 +179,30 @@ def compile_kernel(kernel: DeviceKernel, arch: str, *, inspect: bool = False) ->
     else:
         function = cute.compile(kernel, *fakes, options=options)
         compiled = CompiledKernel(kernel, arch, function, report=CompileReport(seconds=time.perf_counter() - start))
+        if prebuilt and persist:
+            from . import artifacts
+
+            artifacts.persist(artifacts.kernel_key(kernel, arch, CALLING_CONVENTION), function)
     _CACHE[key] = compiled
     LOG.info("compiled %s for %s in %.2f s", kernel, arch, compiled.report.seconds)
     return compiled
+
+
+def _load_shipped(kernel: DeviceKernel, arch: str) -> CompiledKernel | None:
+    """``kernel`` from the exported libraries, or None (not shipped, or it failed to load)."""
+    from . import artifacts
+
+    full_key = artifacts.kernel_key(kernel, arch, CALLING_CONVENTION)
+    library = artifacts.lookup(full_key) or artifacts.cached(full_key)
+    if library is None:
+        return None
+    start = time.perf_counter()
+    try:
+        function = artifacts.load(full_key, library)
+    except Exception as error:  # a broken install: say so, and compile instead
+        LOG.warning("could not load %s from %s (%s): compiling it", kernel, library, error)
+        return None
+    loaded = CompiledKernel(kernel, arch, None, report=CompileReport(seconds=time.perf_counter() - start))
+    loaded.function = function
+    LOG.info("loaded %s for %s from %s in %.3f s", kernel, arch, library, loaded.report.seconds)
+    return loaded

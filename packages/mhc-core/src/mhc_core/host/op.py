@@ -128,7 +128,8 @@ class LamportOp:
     # ------------------------------------------------------------ construction
     def _compile(self, kernel: DeviceKernel) -> CompiledKernel:
         with torch.cuda.device(self.device):
-            return compile_kernel(kernel, self.arch)
+            # persist: into MHC_CACHE_DIR where set (mhc_core.host.artifacts), for the next process.
+            return compile_kernel(kernel, self.arch, persist=True)
 
     def _setup(self) -> None:
         """Allocate the mailbox (collective), bind arguments, warm up (collective)."""

@@ -1,0 +1,295 @@
+"""Shipped kernels: the full key of a compiled kernel, the manifests naming the exported ones, and
+loading one without compiling.
+
+A kernel's **key** is everything its binary depends on: the kernel class (``package.module:Class``),
+its config, the arch, the DSL release, the calling convention and a hash of the source of every
+project module the kernel's module imports, transitively (read as text: nothing is imported).
+Its **symbol**, ``mhc_<hash of the key>``, names it in the shared library it is exported to.
+
+With ``MHC_CACHE_DIR`` set, a kernel compiled on this host (a configuration no wheel ships) is
+exported the same way into that folder, one library per key, and the next process loads it (this
+needs a C compiler, ``cc``, to link; without one nothing is persisted).
+
+``tools.export_kernels`` writes, per model package and arch, ``<package>/kernels/<arch>/`` with
+one ``lib<package>_<arch>.so`` (every preset kernel of that arch, TVM-FFI entry points only) and a
+``manifest.json`` listing each kernel's key and symbol. ``lookup`` finds a key in the manifests of
+the installed model packages; ``load`` opens the library through ``tvm_ffi`` alone. Loading needs
+the DSL's runtime library (``libcute_dsl_runtime.so``, in the DSL's libs package), which ``load``
+maps first, and never the compiler. A different DSL release, arch, convention or source is a
+different key: a stale or foreign library is never loaded.
+
+DSL release: ``importlib.metadata`` of ``nvidia-cutlass-dsl``, else of the libs package that owns
+the runtime library (``nvidia-cutlass-dsl-libs-cu13`` / ``-cu12``: what an unpacked bundle or a
+runtime-only host has), else ``"unknown"`` (then nothing shipped matches).
+"""
+
+from __future__ import annotations
+
+import ast
+import ctypes
+import dataclasses
+import functools
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: The packages whose modules enter a kernel's source hash.
+PROJECT_PACKAGES = ("mhc_core", "mhc_dsv41", "mhc_glm5")
+#: The model packages whose ``kernels/`` folders are searched.
+MODEL_PACKAGES = ("mhc_dsv41", "mhc_glm5")
+MANIFEST = "manifest.json"
+FORMAT = 1
+#: Set to 0 to ignore shipped and cached kernels (every kernel is then compiled, nothing persisted).
+PREBUILT_ENV = "MHC_PREBUILT"
+#: Where kernels compiled on this host persist, one ``<arch>/<symbol>.so`` each. Opt-in for now
+#: (unset: no cache): loading a cached library is not yet run on a GPU.
+CACHE_ENV = "MHC_CACHE_DIR"
+LOG = logging.getLogger("mhc")
+_DSL_DISTRIBUTIONS = ("nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-cu13", "nvidia-cutlass-dsl-libs-cu12")
+
+
+@functools.cache
+def dsl_release() -> str:
+    """The DSL release (see the module docstring)."""
+    for distribution in _DSL_DISTRIBUTIONS:
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+@dataclass(frozen=True)
+class KernelKey:
+    kernel: str
+    config: str
+    arch: str
+    dsl: str
+    convention: str
+    source: str
+
+    @property
+    def symbol(self) -> str:
+        text = json.dumps(dataclasses.asdict(self), sort_keys=True)
+        return "mhc_" + hashlib.sha256(text.encode()).hexdigest()[:24]
+
+    def as_dict(self) -> dict[str, str]:
+        return dataclasses.asdict(self)
+
+
+def config_text(config: Any) -> str:
+    """A config dataclass (or a dict) as canonical JSON (tuples as lists)."""
+    values = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
+    return json.dumps(values, sort_keys=True)
+
+
+def _module_file(module: str) -> Path | None:
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ModuleNotFoundError, ValueError):  # "module.name" where name is an attribute
+        return None
+    if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+        return None
+    return Path(spec.origin)
+
+
+def _imports(module: str, path: Path) -> Iterator[str]:
+    """The project modules ``module`` (at ``path``) imports, as absolute names."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parent = ".".join(parts[: len(parts) - node.level + 1])
+                base = f"{parent}.{base}" if base else parent
+            names = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for name in names:
+            if name.split(".")[0] in PROJECT_PACKAGES:
+                yield name
+
+
+@functools.cache
+def source_hash(module: str) -> str:
+    """sha256 over the text of ``module`` and every project module it imports, transitively."""
+    seen: dict[str, Path] = {}
+    pending = [module]
+    while pending:
+        name = pending.pop()
+        if name in seen:
+            continue
+        path = _module_file(name)
+        if path is None:  # an attribute imported from a module, not a module itself
+            continue
+        seen[name] = path
+        pending.extend(_imports(name, path))
+    digest = hashlib.sha256()
+    for name in sorted(seen):
+        digest.update(name.encode() + b"\0" + seen[name].read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def kernel_key(kernel: Any, arch: str, convention: str) -> KernelKey:
+    """The key of ``kernel`` (a ``DeviceKernel``: its class and config) on ``arch``."""
+    kind = type(kernel)
+    path = f"{kind.__module__}:{kind.__qualname__}"
+    return KernelKey(path, config_text(kernel.config), arch, dsl_release(), convention, source_hash(kind.__module__))
+
+
+# ------------------------------------------------------------------ manifests
+def write_manifest(folder: Path, package: str, arch: str, library: str, keys: Iterable[KernelKey]) -> Path:
+    entries = sorted((key.as_dict() | {"symbol": key.symbol} for key in keys), key=lambda entry: entry["symbol"])
+    payload = {"format": FORMAT, "package": package, "arch": arch, "library": library, "kernels": entries}
+    path = folder / MANIFEST
+    path.write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
+    return path
+
+
+def manifests() -> list[Path]:
+    """Every ``kernels/<arch>/manifest.json`` of the importable model packages (none imported)."""
+    found = []
+    for package in MODEL_PACKAGES:
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        for location in spec.submodule_search_locations:
+            found.extend(sorted(Path(location, "kernels").glob(f"*/{MANIFEST}")))
+    return found
+
+
+def read_manifest(path: Path) -> dict[str, Path]:
+    """symbol -> library path of one manifest ({} for another format)."""
+    payload = json.loads(path.read_text())
+    if payload.get("format") != FORMAT:
+        return {}
+    library = path.parent / payload["library"]
+    return {entry["symbol"]: library for entry in payload["kernels"]}
+
+
+@functools.cache
+def _index() -> dict[str, Path]:
+    """symbol -> library path over every manifest (read once per process)."""
+    index: dict[str, Path] = {}
+    for path in manifests():
+        index.update(read_manifest(path))
+    return index
+
+
+def lookup(key: KernelKey) -> Path | None:
+    """The library that exports ``key``'s kernel, or None (then it is compiled)."""
+    if os.environ.get(PREBUILT_ENV, "1") == "0":
+        return None
+    return _index().get(key.symbol)
+
+
+def cache_dir() -> Path | None:
+    """The on-disk cache (``MHC_CACHE_DIR``), or None: off (also with ``MHC_PREBUILT=0``)."""
+    explicit = os.environ.get(CACHE_ENV)
+    if not explicit or os.environ.get(PREBUILT_ENV, "1") == "0":
+        return None
+    return Path(explicit)
+
+
+def cached(key: KernelKey) -> Path | None:
+    """The on-disk cache's library for ``key``, if a process on this host compiled it before."""
+    folder = cache_dir()
+    if folder is None:
+        return None
+    path = folder / key.arch / f"{key.symbol}.so"
+    return path if path.exists() else None
+
+
+def link_flags() -> list[str]:
+    """What exported objects link against: the DSL runtime (and its TVM-FFI glue), then TVM-FFI."""
+    import subprocess
+    import sys
+
+    dsl = [sys.executable, "-m", "cutlass.cute.export.aot_config", "--ldflags", "--libs", "--with-tvm-ffi"]
+    tvm = [sys.executable, "-m", "tvm_ffi.config", "--ldflags", "--libs"]
+    flags = subprocess.run(dsl, capture_output=True, text=True, check=True).stdout.split()
+    flags += subprocess.run(tvm, capture_output=True, text=True, check=True).stdout.split()
+    return list(dict.fromkeys(flags))
+
+
+def link(objects: list[str], target: Path) -> None:
+    """Link exported objects into the shared library ``target`` (``cc``)."""
+    import subprocess
+
+    subprocess.run(["cc", "-shared", "-o", str(target), *objects, *link_flags()], check=True, capture_output=True)
+
+
+@functools.cache
+def load_runtime_globally() -> None:
+    """Exporting JIT-links the object in this process; on a cross-compile no engine loaded the DSL's
+    runtime, so it is loaded globally first (docs/aot-export.md). Needs the DSL compiler."""
+    from cutlass.runtime import find_runtime_libraries
+
+    for path in find_runtime_libraries(enable_tvm_ffi=False):
+        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+
+
+def persist(key: KernelKey, compiled: Any) -> Path | None:
+    """Export a kernel compiled here into the on-disk cache; the library's path, or None where it
+    cannot be (no ``cc``, a read-only cache, ``MHC_PREBUILT=0``)."""
+    import shutil
+    import tempfile
+
+    root = cache_dir()
+    if root is None or shutil.which("cc") is None:
+        return None
+    folder = root / key.arch
+    try:
+        load_runtime_globally()
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="mhc-cache-", dir=folder) as scratch:
+            obj = str(Path(scratch, f"{key.symbol}.o"))
+            compiled.export_to_c(obj, function_name=key.symbol, export_only_tvm_ffi_symbols=True)
+            partial = Path(scratch, f"{key.symbol}.so")
+            link([obj], partial)
+            target = folder / f"{key.symbol}.so"
+            os.replace(partial, target)  # atomic: a concurrent process sees all of it or nothing
+        (folder / f"{key.symbol}.json").write_text(json.dumps(key.as_dict(), indent=1, sort_keys=True) + "\n")
+        return target
+    except Exception as error:  # the DSL's export errors share no base class; caching is optional
+        LOG.warning("could not cache %s in %s: %s", key.kernel, folder, error)
+        return None
+
+
+def runtime_library() -> Path | None:
+    """The DSL's runtime library, located without importing the DSL (the newest CUDA flavour)."""
+    spec = importlib.util.find_spec("nvidia_cutlass_dsl")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for flavour in ("cu13", "cu12"):
+        for location in spec.submodule_search_locations:
+            path = Path(location, flavour, "lib", "libcute_dsl_runtime.so")
+            if path.exists():
+                return path
+    return None
+
+
+@functools.cache
+def _module(library: Path) -> Any:
+    runtime = runtime_library()
+    if runtime is not None:
+        # Satisfies the library's NEEDED entry by soname; libtvm_ffi is global once tvm_ffi is imported.
+        ctypes.CDLL(str(runtime), mode=ctypes.RTLD_GLOBAL)
+    import tvm_ffi
+
+    return tvm_ffi.load_module(str(library))
+
+
+def load(key: KernelKey, library: Path) -> Any:
+    """``key``'s TVM-FFI entry point from ``library`` (no compile, no DSL compiler import)."""
+    return _module(library)[key.symbol]
