@@ -81,6 +81,9 @@ def build(session: nox.Session) -> None:
     session.run("python", "-m", "tools.export_kernels", *session.posargs)
     for package in PACKAGES:
         session.run("python", "-m", "build", "--wheel", "--no-isolation", "--outdir", "dist", f"packages/{package}")
+    session.log("wheel                                              bytes")
+    for wheel in sorted((ROOT / "dist").glob("*.whl")):
+        session.log(f"{wheel.name:<50} {wheel.stat().st_size:>9}")
 
 
 @nox.session(tags=["tests"])
