@@ -1,5 +1,5 @@
 """AllReduceMHC on the GPU against mhc_core.reference: every H200 and GB300 preset shape, hc = 8,
-hidden 7168 (two trips), tp 1 and loopback 2, 4, 8, plain and MoE finalize, both post shapes,
+hidden 7168 (three trips in rank-lane pairs), tp 1 and loopback 2, 4, 8, plain and MoE finalize, both post shapes,
 poisoned out= buffers, -0 inputs, bitwise-identical ranks, CUDA-graph replays."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 # Do not edit: change presets.toml (or the template) and regenerate with `python3 -m codegen`.
 """DSV4.1 preset ``test-tp4-h7168``.
 
-test shape: hidden 7168 on 5 x 128 threads, two trips (the second partial), TP4
+test shape: hidden 7168 on 5 x 128 threads in rank-lane pairs, three trips (the last partial), TP4
 
 ``PRESET`` is the validated configuration, ``GEOMETRY`` its launch geometry and ``KERNELS`` the
 compile signature (kernel class and config per arch); ``kernels(arch)`` makes the kernel objects and
@@ -32,12 +32,12 @@ PRESET = DSV41Preset(
     top_k=8,
     cluster_size=5,
     threads=128,
-    rank_lanes=1,
+    rank_lanes=2,
     norm_eps=1e-06,
     archs=("sm_90a",),
     publish_threads=128,
     tuned=False,
-    description="test shape: hidden 7168 on 5 x 128 threads, two trips (the second partial), TP4",
+    description="test shape: hidden 7168 on 5 x 128 threads in rank-lane pairs, three trips (the last partial), TP4",
 )
 
 #: ``PRESET.geometry()``: grids, clusters, threads and shared memory of its launches.
@@ -45,9 +45,9 @@ GEOMETRY: dict[str, Any] = {
     "grid": "(M, 5, 1)",
     "cluster": (1, 5, 1),
     "threads": 128,
-    "rank_lanes": 1,
+    "rank_lanes": 2,
     "fragments": 896,
-    "trips": 2,
+    "trips": 3,
     "last_trip_fragments": 256,
     "shared_bytes": 36,
     "publish_grid": "(M, 7, 1)",
@@ -79,7 +79,7 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
         ),
         "collective": (
             "mhc_dsv41.kernel:LamportMHCKernel",
-            {"hidden": 7168, "hc": 4, "tp": 4, "cluster_size": 5, "rank_lanes": 1, "threads": 128},
+            {"hidden": 7168, "hc": 4, "tp": 4, "cluster_size": 5, "rank_lanes": 2, "threads": 128},
         ),
     },
 }
