@@ -193,25 +193,20 @@ class LamportMHCKernel(DeviceKernel):
         for trip in cutlass.range_constexpr(trips):
             fragment = base_fragment + trip * config.fragment_stride
             active = fragment < config.fragments
-            # The grid's first thread also checks every rank's M (trip 0, spin bound on;
-            # ``mhc_core.device.protocol``).
-            poll = (
-                total, mailbox_base, stage, token, fragment, lane, active, tp, lanes, capacity, hidden,
-                spin_limit_ns, error_flag, state, poisoned, tp > 1 and trip == 0,
-                first_thread & (spin_limit_ns > Int64(0)), m,
-            )  # fmt: skip
-            if cutlass.const_expr(tp == 1):
-                if from_x:
-                    total.fill(Float32(0.0))
-                    if active:
-                        total.store(ptx.words_to_f32x8(protocol.load_x(x, token, Int64(fragment) * VEC_BF16, hidden)))
-                    if poisoned:
-                        total.fill(Float32(float("nan")))  # a direct read's poison (the poll's is its own)
-                else:
-                    poisoned = protocol.poll_and_sum(*poll)
+            if from_x:
+                total.fill(Float32(0.0))
+                if active:
+                    total.store(ptx.words_to_f32x8(protocol.load_x(x, token, Int64(fragment) * VEC_BF16, hidden)))
+                if poisoned:
+                    total.fill(Float32(float("nan")))  # a direct read's poison (the poll's is its own)
             else:
-                # No direct path at tp > 1: the code is the mailbox path's alone (register pressure).
-                poisoned = protocol.poll_and_sum(*poll)
+                # The grid's first thread also checks every rank's M (trip 0, spin bound on;
+                # ``mhc_core.device.protocol``).
+                poisoned = protocol.poll_and_sum(
+                    total, mailbox_base, stage, token, fragment, lane, active, tp, lanes, capacity, hidden,
+                    spin_limit_ns, error_flag, state, poisoned, tp > 1 and trip == 0,
+                    first_thread & (spin_limit_ns > Int64(0)), m,
+                )  # fmt: skip
             if active & leader:
                 # The all-reduced sublayer output is BF16, as the unfused collective returns it.
                 reduced = total.load().to(BFloat16).to(Float32)
@@ -233,9 +228,7 @@ class LamportMHCKernel(DeviceKernel):
 
         # Poisoned, or read directly: nothing consumed (no re-arm, the stage stays); a poisoned
         # kernel's outputs carry the NaN.
-        healthy = poisoned == Boolean(False)
-        if cutlass.const_expr(tp == 1):
-            healthy = healthy & (from_x == Boolean(False))
+        healthy = (poisoned == Boolean(False)) & (from_x == Boolean(False))
         protocol.advance_stage(stage_state, stage, first_thread & healthy)
         cute.arch.griddepcontrol_launch_dependents()
         for trip in cutlass.range_constexpr(trips):
