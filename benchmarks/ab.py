@@ -22,7 +22,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-HC, MIX = 4, 24
 PACKAGES = ("mhc-core", "mhc-dsv41", "mhc-glm5")
 
 
@@ -34,29 +33,17 @@ def measure(ms: list[int]) -> dict[str, dict[int, float]]:
     from mhc_glm5 import AllReduceMhcBoundary
 
     from .harness import graph_time_us
+    from .suites import bf16, dsv41_inputs, glm5_inputs
 
     torch.manual_seed(0)
-
-    def bf16(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, device="cuda").to(torch.bfloat16)
-
     dsv = AllReduceMHC.from_preset("h200-tp1-h5120", max_num_tokens=max(ms), device="cuda")
     glm = AllReduceMhcBoundary.from_preset("h200-tp1-h4096", max_num_tokens=max(ms), device="cuda")
     result: dict[str, dict[int, float]] = {"dsv41": {}, "glm5": {}}
     for m in ms:
-        x, residual, weight = bf16(m, 5120), bf16(m, HC, 5120), bf16(5120)
-        post, pre = torch.rand(m, HC, device="cuda") * 2, torch.rand(m, HC, device="cuda")
-        comb = torch.softmax(torch.randn(m, HC, HC, device="cuda"), -1)
-        out = (torch.empty_like(residual), torch.empty_like(x))
-        dsv_args = (x, residual, post, comb, pre, weight, 1e-6)
-        result["dsv41"][m] = graph_time_us(lambda dsv_args=dsv_args, out=out: dsv(*dsv_args, out=out))
-        y = bf16(m, 4096)
-        args = (
-            bf16(m, HC, 4096), torch.rand(m, HC, 1, device="cuda") * 2,
-            torch.softmax(torch.randn(m, HC, HC, device="cuda"), -1),
-            (torch.randn(MIX, HC * 4096, device="cuda") * 0.02).to(torch.bfloat16),
-            torch.rand(3, device="cuda") + 0.5, torch.randn(MIX, device="cuda"), bf16(4096),
-        )  # fmt: skip
+        x, dsv_args = bf16(m, 5120), dsv41_inputs(m, 5120)
+        out = (torch.empty_like(dsv_args[0]), torch.empty_like(x))
+        result["dsv41"][m] = graph_time_us(lambda x=x, dsv_args=dsv_args, out=out: dsv(x, *dsv_args, out=out))
+        y, args = bf16(m, 4096), glm5_inputs(m, 4096)
 
         def glm_step(y: torch.Tensor = y, args: tuple = args) -> None:
             glm(y, *args)

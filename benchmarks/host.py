@@ -21,7 +21,7 @@ from cutlass import Int32
 from mhc_core.device.kernel import DeviceKernel
 from mhc_core.device.signature import Param, Ptr, Signature, Stream
 
-HC, MIX = 4, 24
+from .suites import bf16, dsv41_inputs, glm5_inputs
 
 
 @dataclass(frozen=True)
@@ -61,31 +61,19 @@ def eager_us(step: Callable[[], object], calls: int = 1000, warmup: int = 100) -
     return (queued - start) * 1e6 / calls, (done - start) * 1e6 / calls
 
 
-def _bf16(*shape: int) -> torch.Tensor:
-    return torch.randn(*shape, device="cuda").to(torch.bfloat16)
-
-
 def _dsv_args(m: int, hidden: int = 5120) -> tuple:
-    return (
-        _bf16(m, hidden), _bf16(m, HC, hidden), torch.rand(m, HC, device="cuda") * 2,
-        torch.softmax(torch.randn(m, HC, HC, device="cuda"), -1), torch.rand(m, HC, device="cuda"), _bf16(hidden), 1e-6,
-    )  # fmt: skip
+    return (bf16(m, hidden), *dsv41_inputs(m, hidden))
 
 
 def _glm_args(m: int, hidden: int = 4096) -> tuple:
-    return (
-        _bf16(m, hidden), _bf16(m, HC, hidden), torch.rand(m, HC, 1, device="cuda") * 2,
-        torch.softmax(torch.randn(m, HC, HC, device="cuda"), -1),
-        (torch.randn(MIX, HC * hidden, device="cuda") * 0.02).to(torch.bfloat16),
-        torch.rand(3, device="cuda") + 0.5, torch.randn(MIX, device="cuda"), _bf16(hidden),
-    )  # fmt: skip
+    return (bf16(m, hidden), *glm5_inputs(m, hidden))
 
 
 def _moe_args(m: int, top_k: int, hidden: int = 5120) -> tuple:
     rows = m * top_k
     return (
-        _bf16(rows, hidden), torch.rand(m, top_k, device="cuda"),
-        torch.randperm(rows, device="cuda").to(torch.int32).view(m, top_k), _bf16(m, hidden),
+        bf16(rows, hidden), torch.rand(m, top_k, device="cuda"),
+        torch.randperm(rows, device="cuda").to(torch.int32).view(m, top_k), bf16(m, hidden),
     )  # fmt: skip
 
 
@@ -105,7 +93,7 @@ def rows(m: int = 1) -> list[tuple[str, int, float, float, int]]:
     entry, address, stream = touch.function, flag.data_ptr(), current_stream_handle(device.index)
     out.append(("launch floor: bare TVM-FFI entry point", 1, *eager_us(lambda: entry(address, stream)), 1))
     out.append(("launch floor: BoundKernel", 1, *eager_us(lambda: bound(flag=flag)), 1))
-    x, weight = _bf16(m, 4096), _bf16(4096)
+    x, weight = bf16(m, 4096), bf16(4096)
     out.append(("torch F.rms_norm", 1, *eager_us(lambda: torch.nn.functional.rms_norm(x, (4096,), weight, 1e-6)), 1))
     out.append(("torch x.add_(1)", 1, *eager_us(lambda: x.add_(1)), 1))
 

@@ -126,6 +126,14 @@ def core_suite(ctx: Context, ms: list[int], hidden: int = 4096) -> list[Record]:
 
 
 # ------------------------------------------------------------------------ DSV4.1
+def dsv41_inputs(m: int, hidden: int = 5120) -> tuple:
+    """``(residual, post, comb, pre, norm_weight, norm_eps)``: mixes in the ranges mHC produces."""
+    residual = bf16(m, HC, hidden)
+    post, pre = torch.rand(m, HC, device="cuda") * 2, torch.rand(m, HC, device="cuda")
+    comb = torch.softmax(torch.randn(m, HC, HC, device="cuda"), -1)
+    return residual, post, comb, pre, bf16(hidden), 1e-6
+
+
 def dsv41_suite(ctx: Context, ms: list[int], hidden: int = 5120) -> list[Record]:
     from mhc_dsv41 import AllReduceMHC
 
@@ -133,12 +141,8 @@ def dsv41_suite(ctx: Context, ms: list[int], hidden: int = 5120) -> list[Record]
     op = AllReduceMHC.from_preset(preset, max_num_tokens=max(ms), device="cuda", group=ctx.group)
     records = []
     for m in ms:
-        x, residual = bf16(m, hidden), bf16(m, HC, hidden)
-        post, pre = torch.rand(m, HC, device="cuda") * 2, torch.rand(m, HC, device="cuda")
-        comb = torch.softmax(torch.randn(m, HC, HC, device="cuda"), -1)
-        weight = bf16(hidden)
-        out = (torch.empty_like(residual), torch.empty_like(x))
-        args = (residual, post, comb, pre, weight, 1e-6)
+        x, args = bf16(m, hidden), dsv41_inputs(m, hidden)
+        out = (torch.empty_like(args[0]), torch.empty_like(x))
         nbytes = 2 * m * hidden * (1 + 2 * HC + 1) + 2 * hidden + 4 * m * (2 * HC + HC * HC)
         floor = nbytes / ctx.bandwidth
         fused = ctx.time(lambda x=x, args=args, out=out: op(x, *args, out=out))
@@ -266,12 +270,7 @@ def spin_bound(ctx: Context, ms: list[int]) -> list[Record]:
             dsv = [AllReduceMHC.from_preset(f"h200-tp{tp}-h5120", group=rank, **options) for rank in ranks]
             glm = [AllReduceMhcBoundary.from_preset(f"h200-tp{tp}-h4096", group=rank, **options) for rank in ranks]
             for m in ms:
-                dsv_args = [
-                    (bf16(m, 5120), bf16(m, HC, 5120), torch.rand(m, HC, device="cuda") * 2,
-                     torch.softmax(torch.randn(m, HC, HC, device="cuda"), -1), torch.rand(m, HC, device="cuda"),
-                     bf16(5120), 1e-6)
-                    for _ in ranks
-                ]  # fmt: skip
+                dsv_args = [(bf16(m, 5120), *dsv41_inputs(m, 5120)) for _ in ranks]
                 glm_args = [(bf16(m, 4096), *glm5_inputs(m, 4096)) for _ in ranks]
 
                 def dsv_step(dsv=dsv, dsv_args=dsv_args):
