@@ -40,9 +40,7 @@ def convert(kind: Kind, value: Any) -> Any:
         return value.data_ptr()
     if isinstance(kind, Buffer):
         return tvm_ffi.from_dlpack(value.reshape(-1))
-    if isinstance(kind, Stream):
-        return value.cuda_stream if value is not None else torch.cuda.current_stream().cuda_stream
-    return value
+    return value  # a Scalar (a Stream is never converted: the launcher passes the raw handle)
 
 
 class BoundKernel:
@@ -93,7 +91,7 @@ class BoundKernel:
         #: ``launch(*, stream=None, **per_call)``: the generated function itself (what ``__call__``
         #: forwards to; the ops' hot paths call it directly).
         self.launch: Callable[..., None] = namespace["launch"]
-        # The DLPack conversions hold their tensors; this keeps the op's own references visible too.
+        # A fixed Ptr is a bare address: holding its tensor keeps the memory as long as the launcher.
         self._fixed = dict(fixed)
         self.per_call_names: Sequence[str] = tuple(names)
 

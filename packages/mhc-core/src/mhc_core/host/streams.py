@@ -86,12 +86,11 @@ class CallOrder:
     def begin(self) -> torch.cuda.Stream:
         """Before a call's first launch: order it after the previous call; returns the stream."""
         self.in_call = True
-        if not _is_capturing() and self._eager is not None and current_stream_handle(self._index) == self._eager_handle:
+        stream, capture = self.current()
+        if self._eager is not None and stream is self._eager.stream:
             # The common eager case, a call on the stream of the previous one: nothing to order.
-            self.stream, self.capture = self._eager.stream, 0
-            return self._eager.stream
-        stream = torch.cuda.current_stream(self.device)
-        capture = current_capture(stream)
+            self.stream, self.capture = stream, 0
+            return stream
         previous = self._captured if capture and self._captured and self._captured.capture == capture else None
         if previous is None:
             previous = self._eager
