@@ -210,8 +210,10 @@ def cached(key: KernelKey) -> Path | None:
     return path if path.exists() else None
 
 
-def link_flags() -> list[str]:
-    """What exported objects link against: the DSL runtime (and its TVM-FFI glue), then TVM-FFI."""
+@functools.cache
+def link_flags() -> tuple[str, ...]:
+    """What exported objects link against: the DSL runtime (and its TVM-FFI glue), then TVM-FFI.
+    Asked once per process: each query is a Python process that imports the DSL (seconds)."""
     import subprocess
     import sys
 
@@ -219,7 +221,7 @@ def link_flags() -> list[str]:
     tvm = [sys.executable, "-m", "tvm_ffi.config", "--ldflags", "--libs"]
     flags = subprocess.run(dsl, capture_output=True, text=True, check=True).stdout.split()
     flags += subprocess.run(tvm, capture_output=True, text=True, check=True).stdout.split()
-    return list(dict.fromkeys(flags))
+    return tuple(dict.fromkeys(flags))
 
 
 def link(objects: list[str], target: Path) -> None:
