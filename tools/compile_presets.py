@@ -1,6 +1,6 @@
 """Compile every preset's kernels for each of its archs, without a GPU, and tabulate ptxas's report.
 
-    python3 -m tools.compile_presets [--arch A ...] [--preset NAME ...] [--model dsv41|glm5]
+    python3 -m tools.compile_presets [--arch A ...] [--preset NAME ...] [--model dsv41|glm5] [--ptx-digest FILE]
 
 The kernels come from the generated preset modules (``<package>.presets``,
 ``kernels(arch)``); ``mhc_core.host.compiler.compile_kernel(kernel, arch, inspect=True)``
@@ -8,14 +8,18 @@ passes ``--gpu-arch`` so no GPU is needed. A kernel config met again on the same
 arch is compiled once; its later rows say "same as" the first. A kernel class that
 does not exist yet is reported once ("not implemented yet") and gets no row.
 
-Exits non-zero on any compile failure and on any spill or local memory use.
+Exits non-zero on any compile failure and on any spill or local memory use. ``--ptx-digest FILE``
+writes the sha256 of every distinct kernel's PTX (JSON, keyed ``model.preset kernel arch``): two trees'
+files compared tell whether a host or refactoring change left the device code byte-identical.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import importlib.util
+import json
 import sys
 import time
 import traceback
@@ -186,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         "--preset", action="append", default=[], help="only this preset, NAME or MODEL.NAME (repeatable)"
     )
     parser.add_argument("--model", choices=MODELS, help="only this model's presets")
+    parser.add_argument("--ptx-digest", metavar="FILE", help="write the sha256 of every distinct kernel's PTX here")
     args = parser.parse_args(argv)
     for line in ensure_importable():
         print(line, flush=True)
@@ -203,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     rows: list[Row] = []
+    digests: dict[str, str] = {}
     first: dict[tuple, Row] = {}
     missing: dict[str, bool] = {}
     failures: list[str] = []
@@ -221,7 +227,11 @@ def main(argv: list[str] | None = None) -> int:
             if missing[job.path]:
                 continue
             kernel = job.module.kernels(job.arch, [job.kernel])[job.kernel]
-            report = compile_kernel(kernel, job.arch, inspect=True).report
+            compiled_kernel = compile_kernel(kernel, job.arch, inspect=True)
+            report = compiled_kernel.report
+            digests[f"{job.label} {job.kernel} {job.arch}"] = hashlib.sha256(
+                (compiled_kernel.ptx or "").encode()
+            ).hexdigest()
         except Exception as error:  # report every failure, then go on with the rest
             message = f"{prefix}: compile failed: {type(error).__name__}: {error}"
             failures.append(message)
@@ -235,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         failures.extend(f"{prefix}: {problem}" for problem in problems_of(report))
 
     compiled = len(first)
+    if args.ptx_digest:
+        Path(args.ptx_digest).write_text(json.dumps(digests, indent=1, sort_keys=True) + "\n")
     print()
     if rows:
         print(format_table(rows))
