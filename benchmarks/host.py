@@ -3,9 +3,11 @@
 Each figure: ``calls`` back-to-back eager calls after a warm-up, outputs allocated by the op
 (no ``out=``), M = 1. *host* is the time the host thread spends per call (the launches are
 queued, nothing synchronises); *wall* adds the wait for the device at the end, per call. In
-the same run: ``F.rms_norm`` and ``x.add_(1)`` for scale, and the launch floor, a one-thread
-DSL kernel with one pointer launched through the same TVM-FFI path (``BoundKernel``) and through
-its bare entry point. Loopback tp 2: both ranks' calls through ``run_ranks``, per rank.
+the same run: ``F.rms_norm``, ``x.add_(1)`` and ``torch.empty_like`` for scale, and the launch
+floor, a one-warp DSL kernel with one pointer launched through its bare TVM-FFI entry point,
+through ``BoundKernel`` and through a native program (``mhc_core.host.programs``: the ops' own
+per-call path, with nothing to check or allocate). Loopback tp 2: both ranks' calls through
+``run_ranks``, per rank.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ def rows(m: int = 1) -> list[tuple[str, int, float, float, int]]:
     from mhc_core import LoopbackGroup, run_ranks
     from mhc_core.host.compiler import compile_kernel, device_arch
     from mhc_core.host.launch import BoundKernel, current_stream_handle
+    from mhc_core.host.programs import Fixed, Launch, Program
     from mhc_dsv41 import AllReduceMHC
     from mhc_glm5 import AllReduceMhcBoundary
 
@@ -93,9 +96,13 @@ def rows(m: int = 1) -> list[tuple[str, int, float, float, int]]:
     entry, address, stream = touch.function, flag.data_ptr(), current_stream_handle(device.index)
     out.append(("launch floor: bare TVM-FFI entry point", 1, *eager_us(lambda: entry(address, stream)), 1))
     out.append(("launch floor: BoundKernel", 1, *eager_us(lambda: bound(flag=flag)), 1))
+    floor = Program((), (), [Launch([entry], touch.kernel.signature(), {"flag": Fixed(flag)})], device, 1)
+    native = floor.native
+    out.append(("launch floor: native program", 1, *eager_us(lambda: native(flag, 0, 1, -1, 0, 0)), 1))
     x, weight = bf16(m, 4096), bf16(4096)
     out.append(("torch F.rms_norm", 1, *eager_us(lambda: torch.nn.functional.rms_norm(x, (4096,), weight, 1e-6)), 1))
     out.append(("torch x.add_(1)", 1, *eager_us(lambda: x.add_(1)), 1))
+    out.append(("torch.empty_like (no launch)", 1, *eager_us(lambda: torch.empty_like(x)), 0))
 
     dsv = AllReduceMHC.from_preset("h200-tp1-h5120", max_num_tokens=max(m, 8), device=device)
     args = _dsv_args(m)

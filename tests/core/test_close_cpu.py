@@ -31,7 +31,7 @@ def built_op(monkeypatch: pytest.MonkeyPatch):
     instance = LamportAllReduce.__new__(LamportAllReduce)
     instance.device, instance.group, instance._closed = torch.device("cuda", 0), Group(), False
     instance.mailbox = type("Mailbox", (), {"stage_state": torch.zeros(4, dtype=torch.int32)})()
-    instance._publish = instance._collective = object()
+    instance._programs = object()
     instance.handle = library.register(instance)
     return instance
 
@@ -45,7 +45,7 @@ def test_close_is_idempotent_and_refuses_later_calls(monkeypatch: pytest.MonkeyP
     op.close()
     op.close()
     assert Group.barriers == 1, "the second close() does nothing"
-    assert op.mailbox is None and op._publish is None and op._collective is None
+    assert op.mailbox is None and op._programs is None
     with pytest.raises(RuntimeError, match="LamportAllReduce was closed"):
         op(torch.zeros(1, 8))
     with pytest.raises(RuntimeError, match="was closed"):

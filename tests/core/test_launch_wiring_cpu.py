@@ -1,6 +1,10 @@
-"""What the ops pass to their kernels, without a GPU: an op whose launches are recorded (no CUDA,
-no compile) is planned and run on CPU tensors. Covers the tp = 1 direct path against the
-mailbox path, the norm_eps default, output allocation and the validation cache's skip."""
+"""What the ops pass to their kernels, without a GPU: ops whose kernels are recorders (TVM-FFI
+functions made from Python callables) and whose device is the CPU run their real native programs
+(``mhc_core.host.programs``: the C++ executor checks, allocates and launches) on CPU tensors.
+
+Covers the tp = 1 direct path against the mailbox path, MoE input, the two phases, the norm_eps
+default, output allocation, GLM's boundary selection by M and its side launch, and that every
+rejected call raises the precise error before any launch."""
 
 from __future__ import annotations
 
@@ -8,29 +12,85 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import tvm_ffi
 
-HIDDEN, HC, M = 64, 4, 3
-
-
-class Recorder:
-    def __init__(self, name: str, calls: list) -> None:
-        self.name, self.calls = name, calls
-
-    def launch(self, stream: int | None = None, **values) -> None:
-        self.calls.append((self.name, stream, values))
+HIDDEN, HC, M, TOP_K, CAPACITY = 64, 4, 3, 2, 8
+CPU = torch.device("cpu")
 
 
-def bare(op_type, tp: int, **attributes):
-    """An op with its host attributes set and every kernel replaced by a recorder."""
-    from mhc_core.host.validation import ValidatedCalls
+class Kernels:
+    """Recorder kernels: every launch is ``(name, {parameter: value})``."""
 
-    op = object.__new__(op_type)
-    calls: list = []
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict]] = []
+
+    def compiled(self, name: str, kernel) -> SimpleNamespace:
+        signature = kernel.signature()
+
+        def record(*args) -> None:
+            self.calls.append((name, dict(zip((param.name for param in signature), args, strict=True))))
+
+        return SimpleNamespace(function=tvm_ffi.convert(record), kernel=kernel)
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.calls]
+
+
+class Order:
+    """A CallOrder without CUDA: nothing to order on the CPU."""
+
+    done_handle, stream, capture, in_call = 0, None, 0, False
+
+    def begin(self) -> int:
+        return 0
+
+    def end(self) -> None:
+        pass
+
+    def cancel(self) -> None:
+        pass
+
+
+def common(op, tp: int, kernels: Kernels) -> None:
+    """The state construction leaves, on the CPU, with recorder kernels."""
+    from mhc_core.device.publish import FinalizePublishKernel, PublishConfig, PublishKernel
+
+    config = dict(hidden=HIDDEN, tp=tp, threads=128, trigger="after_stores", store="unicast")
     op.__dict__.update(
-        hidden_size=HIDDEN, device=torch.device("cpu"), tp=tp, capacity=8, top_k=2, _validated=ValidatedCalls(),
-        _publish=Recorder("publish", calls), **attributes,
+        hidden_size=HIDDEN, device=CPU, tp=tp, rank=0, capacity=CAPACITY, top_k=TOP_K, check_routes=False,
+        _closed=False, _peers_ready=True, _pending_m=None, _order=Order(),
+        group=SimpleNamespace(kind="none", missing_peers=lambda op: []),
+        spin=SimpleNamespace(
+            limit_ns=5, handoff_limit_ns=7, address=1234, checks_token_counts=False, check=lambda: None
+        ),
+        mailbox=SimpleNamespace(
+            buffer=torch.zeros(64, dtype=torch.bfloat16), stage_state=torch.zeros(4, dtype=torch.int32),
+            destinations=torch.zeros(tp, dtype=torch.int64),
+        ),
+        _publish_kernel=kernels.compiled("publish", PublishKernel(PublishConfig(**config))),
+        _finalize_kernels={
+            dtype: kernels.compiled(
+                "finalize", FinalizePublishKernel(PublishConfig(**config, top_k=TOP_K, weights=name))
+            )
+            for dtype, name in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16"))
+            if dtype in type(op).weight_dtypes
+        },
     )  # fmt: skip
-    return op, calls
+
+
+def dsv_op(tp: int):
+    from mhc_dsv41 import AllReduceMHC
+    from mhc_dsv41.kernel import LamportMHCKernel, MHCConfig
+
+    kernels = Kernels()
+    op = object.__new__(AllReduceMHC)
+    common(op, tp, kernels)
+    config = MHCConfig(hidden=HIDDEN, hc=HC, tp=tp, cluster_size=1, threads=64, rank_lanes=1)
+    op.__dict__.update(
+        hc_mult=HC, norm_eps=1e-6, _collective_kernel=kernels.compiled("collective", LamportMHCKernel(config))
+    )
+    op._programs = op._build_programs()
+    return op, kernels
 
 
 def dsv_args(m: int = M):
@@ -40,78 +100,225 @@ def dsv_args(m: int = M):
     )  # fmt: skip
 
 
+def moe_fields(m: int = M, dtype: torch.dtype = torch.float32) -> tuple:
+    rows = m * TOP_K
+    return (
+        torch.randn(rows, HIDDEN).to(torch.bfloat16), torch.rand(m, TOP_K, dtype=dtype),
+        torch.arange(rows, dtype=torch.int32).view(m, TOP_K), torch.randn(m, HIDDEN).to(torch.bfloat16),
+    )  # fmt: skip
+
+
+def address(tensor: torch.Tensor) -> int:
+    return tensor.data_ptr()
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_dsv_call_launches(tp: int) -> None:
-    from mhc_dsv41 import AllReduceMHC
-
-    op, calls = bare(AllReduceMHC, tp, hc_mult=HC, norm_eps=1e-6)
-    op._collective = Recorder("collective", calls)
+    op, kernels = dsv_op(tp)
     x = torch.randn(M, HIDDEN).to(torch.bfloat16)
     residual, post, comb, pre, weight = dsv_args()
-    plan = op._plan_call(x, residual, post, comb, pre, weight)
-    plan.publish()
-    residual_out, layer_input = plan.collect(True)
-    names = [name for name, _, _ in calls]
-    assert names == (["collective"] if tp == 1 else ["publish", "collective"])
-    values = calls[-1][2]
-    assert values["eps"] == 1e-6, "norm_eps defaults to the op's"
+    residual_out, layer_input = op(x, residual, post, comb, pre, weight)
+    assert kernels.names() == (["collective"] if tp == 1 else ["publish", "collective"])
+    values = kernels.calls[-1][1]
+    assert values["eps"] == pytest.approx(1e-6), "norm_eps defaults to the op's"
     if tp == 1:
-        assert values["direct"] == 1 and values["x"] is x and values["prefetch"] == 0
+        assert values["direct"] == 1 and values["x"] == address(x) and values["prefetch"] == 0
     else:
-        assert values["direct"] == 0 and values["x"] is residual and values["prefetch"] == 1
-        assert calls[0][2] == {"x": x, "m": M}
-    assert values["residual_out"] is residual_out and values["layer_input"] is layer_input and values["m"] == M
+        assert values["direct"] == 0 and values["x"] == address(residual) and values["prefetch"] == 1
+        assert kernels.calls[0][1]["x"] == address(x) and kernels.calls[0][1]["m"] == M
+    assert values["residual_out"] == address(residual_out) and values["layer_input"] == address(layer_input)
+    assert values["m"] == M and values["residual"] == address(residual) and values["gamma"] == address(weight)
     assert residual_out.shape == (M, HC, HIDDEN) and residual_out.dtype == torch.bfloat16
     assert layer_input.shape == (M, HIDDEN) and layer_input.dtype == torch.bfloat16
     assert residual_out.is_contiguous() and layer_input.is_contiguous()
-    op._plan_call(x, residual, post, comb, pre, weight, 1e-3).collect(True)
-    assert calls[-1][2]["eps"] == 1e-3, "an explicit norm_eps wins"
+    op(x, residual, post, comb, pre, weight, 1e-3)
+    assert kernels.calls[-1][1]["eps"] == pytest.approx(1e-3), "an explicit norm_eps wins"
 
 
-def test_dsv_cache_never_skips_a_changed_property() -> None:
-    from mhc_dsv41 import AllReduceMHC
-
-    op, calls = bare(AllReduceMHC, 1, hc_mult=HC, norm_eps=1e-6)
-    op._collective = Recorder("collective", calls)
+def test_dsv_out_is_written_in_place() -> None:
+    op, kernels = dsv_op(1)
     x = torch.randn(M, HIDDEN).to(torch.bfloat16)
-    args = dsv_args()
-    op._plan_call(x, *args)
-    op._plan_call(x, *args)  # the cached key
-    with pytest.raises(TypeError, match="x: expected dtype bfloat16, got float16"):
-        op._plan_call(x.view(torch.float16), *args)
-    with pytest.raises(ValueError, match="norm_eps: expected a finite value > 0"):
-        op._plan_call(x, *args, 0.0)
+    out = (torch.empty(M, HC, HIDDEN, dtype=torch.bfloat16), torch.empty(M, HIDDEN, dtype=torch.bfloat16))
+    returned = op(x, *dsv_args(), out=out)
+    assert returned[0] is out[0] and returned[1] is out[1]
+    assert kernels.calls[-1][1]["residual_out"] == address(out[0])
 
 
-def test_glm_call_launches_boundary_then_mixes_on_the_side_stream() -> None:
+def test_dsv_finalize_publishes_at_every_tp() -> None:
+    op, kernels = dsv_op(1)
+    gemm2, weights, index, shared = moe_fields()
+    op.finalize(gemm2, weights, index, shared, *dsv_args())
+    assert kernels.names() == ["finalize", "collective"]
+    publish = kernels.calls[0][1]
+    assert publish["gemm2"] == address(gemm2) and publish["weights"] == address(weights)
+    assert publish["index"] == address(index) and publish["shared"] == address(shared)
+    assert publish["rows"] == M * TOP_K and publish["m"] == M
+    assert kernels.calls[1][1]["direct"] == 0 and kernels.calls[1][1]["prefetch"] == 1
+
+
+def test_dsv_two_phases() -> None:
+    op, kernels = dsv_op(2)
+    x = torch.randn(M, HIDDEN).to(torch.bfloat16)
+    op.publish(x)
+    assert op._pending_m == M
+    with pytest.raises(ValueError, match=r"residual: expected shape \[3, 4, 64\], got \[2, 4, 64\]"):
+        op.collect(*dsv_args(2))
+    assert op._pending_m == M, "a rejected collect leaves the publish pending"
+    op.collect(*dsv_args(), after_publish=False)
+    assert kernels.names() == ["publish", "collective"] and op._pending_m is None
+    assert kernels.calls[-1][1]["prefetch"] == 0, "no promise that the publish came right before"
+
+
+BAD_DSV_CALLS = {
+    "x dtype": (lambda a: {**a, "x": a["x"].view(torch.float16)}, TypeError, "x: expected dtype bfloat16, got float16"),
+    "x type": (lambda a: {**a, "x": [[0.0]]}, TypeError, "x: expected a torch.Tensor, got list"),
+    "M too large": (
+        lambda a: {**a, "x": torch.zeros(9, HIDDEN, dtype=torch.bfloat16)},
+        ValueError,
+        "x: expected 1 <= M <= max_num_tokens = 8, got M = 9",
+    ),
+    "residual M": (
+        lambda a: {**a, "residual": torch.zeros(2, HC, HIDDEN, dtype=torch.bfloat16)},
+        ValueError,
+        r"residual: expected shape \[3, 4, 64\], got \[2, 4, 64\]",
+    ),
+    "post shapes": (lambda a: {**a, "post": torch.rand(M, HC, 2)}, ValueError, r"post: expected shape \[3, 4\] or"),
+    "comb strided": (
+        lambda a: {**a, "comb": torch.rand(M, HC, HC).transpose(1, 2)},
+        ValueError,
+        "comb: expected a contiguous tensor",
+    ),
+    "weight misaligned": (
+        lambda a: {**a, "norm_weight": torch.ones(HIDDEN + 1, dtype=torch.bfloat16)[1:]},
+        ValueError,
+        "norm_weight: expected a 16-byte aligned data pointer",
+    ),
+    "eps zero": (lambda a: {**a, "norm_eps": 0.0}, ValueError, "norm_eps: expected a finite value > 0, got 0.0"),
+    "eps str": (lambda a: {**a, "norm_eps": "1e-6"}, TypeError, "norm_eps: expected a float, got str"),
+    "eps nan": (lambda a: {**a, "norm_eps": float("nan")}, ValueError, "norm_eps: expected a finite value > 0"),
+    "out dtype": (
+        lambda a: {**a, "out": (torch.empty(M, HC, HIDDEN, dtype=torch.bfloat16), torch.empty(M, HIDDEN))},
+        TypeError,
+        r"out\[1\] \(layer_input\): expected dtype bfloat16, got float32",
+    ),
+    "out type": (lambda a: {**a, "out": torch.empty(1)}, TypeError, "out: expected a"),
+}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("case", sorted(BAD_DSV_CALLS))
+def test_dsv_rejects_before_any_launch(tp: int, case: str) -> None:
+    op, kernels = dsv_op(tp)
+    residual, post, comb, pre, weight = dsv_args()
+    good = dict(
+        x=torch.randn(M, HIDDEN).to(torch.bfloat16), residual=residual, post=post, comb=comb, pre=pre,
+        norm_weight=weight, norm_eps=1e-6,
+    )  # fmt: skip
+    change, error, message = BAD_DSV_CALLS[case]
+    with pytest.raises(error, match=message):
+        op(**change(good))
+    assert kernels.calls == [], "a kernel was launched for a rejected call"
+    op(**good)  # the op is still usable
+    assert kernels.names()[-1] == "collective"
+
+
+def test_dsv_moe_weights_dtype_is_checked_by_name() -> None:
+    op, kernels = dsv_op(1)
+    with pytest.raises(TypeError, match="expert_weights: expected dtype float32, got bfloat16"):
+        op.finalize(*moe_fields(dtype=torch.bfloat16), *dsv_args())
+    with pytest.raises(ValueError, match=r"expanded_idx_to_permuted_idx: expected shape \[3, 2\], got \[3, 3\]"):
+        gemm2, weights, _, shared = moe_fields()
+        op.finalize(gemm2, weights, torch.zeros(M, TOP_K + 1, dtype=torch.int32), shared, *dsv_args())
+    assert kernels.calls == []
+
+
+def glm_op(tp: int, cluster_tokens=((4, 2),)):
     from mhc_glm5 import AllReduceMhcBoundary
+    from mhc_glm5.boundary import BoundaryConfig, BoundaryKernel
+    from mhc_glm5.mixes import MixesConfig, MixesKernel
 
-    op, calls = bare(AllReduceMhcBoundary, 1)
-    op._boundaries = {1: Recorder("boundary", calls)}
-    op._mixes = Recorder("mixes", calls)
-    op.preset = SimpleNamespace(tokens_per_cluster=lambda m: 1)
-    events: list = []
-    op._order = SimpleNamespace(in_call=True, stream="main", capture=0)
-    op._side = SimpleNamespace(
-        handle=1234,
-        join=lambda stream, capture: events.append(("join", stream)),
-        fork=lambda stream: events.append(("fork", stream)),
-        launched=lambda capture, tensors: events.append(("launched", len(tuple(tensors)))),
-    )
-    x = torch.randn(M, HIDDEN).to(torch.bfloat16)
-    args = (
-        torch.randn(M, HC, HIDDEN).to(torch.bfloat16), torch.rand(M, HC, 1), torch.rand(M, HC, HC),
+    kernels = Kernels()
+    op = object.__new__(AllReduceMhcBoundary)
+    common(op, tp, kernels)
+    # The boundary kernels differ only in their names here: the recorders need a signature.
+    boundary = BoundaryKernel(BoundaryConfig.__new__(BoundaryConfig))
+    side = SimpleNamespace(handle=4321, fork_handle=0, launched_with=[], idle=True)
+    side.native_events = lambda stream, capture: (0, 0)
+    side.launched = lambda capture, tensors: side.launched_with.append(tuple(tensors))
+    op.__dict__.update(
+        cluster_tokens=tuple(cluster_tokens),
+        _boundary_kernels={1: kernels.compiled("boundary_x1", boundary)}
+        | {tokens: kernels.compiled(f"boundary_x{tokens}", boundary) for _, tokens in cluster_tokens},
+        _mixes_kernel=kernels.compiled("mixes", MixesKernel(MixesConfig.__new__(MixesConfig))),
+        _mixes_handoff=torch.zeros(CAPACITY, 24), _raw_mixes=torch.zeros(CAPACITY, 24),
+        _arrivals=torch.zeros(1, dtype=torch.int32), _side_work=side,
+    )  # fmt: skip
+    op._programs = op._build_programs()
+    return op, kernels, side
+
+
+def glm_args(m: int = M):
+    return (
+        torch.randn(m, HC, HIDDEN).to(torch.bfloat16), torch.rand(m, HC, 1), torch.rand(m, HC, HC),
         torch.randn(24, HC * HIDDEN).to(torch.bfloat16), torch.rand(3), torch.rand(24),
         torch.ones(HIDDEN).to(torch.bfloat16),
     )  # fmt: skip
-    plan = op._plan_call(x, *args)
-    plan.publish()
-    residual_out, post_out, comb_out, layer_input = plan.collect(True)
-    assert [name for name, _, _ in calls] == ["boundary", "mixes"]
-    assert calls[0][1] is None and calls[1][1] == 1234, "the mixes go onto the side stream by handle"
-    assert calls[0][2]["direct"] == 1 and calls[0][2]["x"] is x and calls[0][2]["prefetch"] == 0
-    assert events == [("join", "main"), ("fork", "main"), ("launched", 4)]
-    shapes = [(M, HC, HIDDEN), (M, HC, 1), (M, HC, HC), (M, HIDDEN)]
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 8])
+def test_glm_call_picks_its_boundary_and_launches_the_mixes_on_the_side_stream(m: int) -> None:
+    op, kernels, side = glm_op(1)
+    x = torch.randn(m, HIDDEN).to(torch.bfloat16)
+    args = glm_args(m)
+    residual_out, post_out, comb_out, layer_input = op(x, *args)
+    expected = "boundary_x2" if m >= 4 else "boundary_x1"
+    assert kernels.names() == [expected, "mixes"]
+    boundary, mixes = kernels.calls[0][1], kernels.calls[1][1]
+    assert boundary["direct"] == 1 and boundary["x"] == address(x) and boundary["prefetch"] == 0
+    assert boundary["stream"] == 0 and mixes["stream"] == 4321, "the mixes go onto the side stream by handle"
+    assert mixes["post_out"] == address(post_out) and mixes["comb_out"] == address(comb_out)
+    assert mixes["scale"] == address(args[4]) and mixes["base"] == address(args[5]) and mixes["m"] == m
+    assert side.launched_with == [(post_out, comb_out, args[4], args[5])], "the side kernel's tensors are kept"
+    shapes = [(m, HC, HIDDEN), (m, HC, 1), (m, HC, HC), (m, HIDDEN)]
     dtypes = [torch.bfloat16, torch.float32, torch.float32, torch.bfloat16]
     for tensor, shape, dtype in zip((residual_out, post_out, comb_out, layer_input), shapes, dtypes, strict=True):
         assert tensor.shape == shape and tensor.dtype == dtype and tensor.is_contiguous()
+
+
+def test_glm_warmup_launches_every_boundary_kernel() -> None:
+    op, kernels, _ = glm_op(2, cluster_tokens=((4, 2), (6, 8)))
+    for plan in op.warmup_rounds():
+        plan.publish()
+        plan.collect(True)
+    launched = {name for name in kernels.names()}
+    assert {"boundary_x1", "boundary_x2", "boundary_x8", "mixes", "publish", "finalize"} <= launched
+
+
+def test_glm_rejects_a_bad_fn_before_any_launch() -> None:
+    op, kernels, _ = glm_op(1)
+    residual, post, comb, fn, scale, base, weight = glm_args()
+    with pytest.raises(ValueError, match=r"fn: expected shape \[24, 256\], got \[24, 128\]"):
+        op(
+            torch.randn(M, HIDDEN).to(torch.bfloat16),
+            residual,
+            post,
+            comb,
+            fn[:, :128].contiguous(),
+            scale,
+            base,
+            weight,
+        )
+    assert kernels.calls == []
+
+
+def test_plan_validates_both_phases_before_any_launch() -> None:
+    from mhc_core import run_ranks
+
+    op, kernels = dsv_op(2)
+    x = torch.randn(M, HIDDEN).to(torch.bfloat16)
+    residual, post, comb, pre, weight = dsv_args()
+    with pytest.raises(ValueError, match=r"pre: expected shape \[3, 4\]"):
+        op.plan("call", x, residual, post, comb, torch.rand(M, HC + 1), weight)
+    assert kernels.calls == []
+    outputs = run_ranks([op], "call", [(x, residual, post, comb, pre, weight)])
+    assert kernels.names() == ["publish", "collective"] and outputs[0][0].shape == (M, HC, HIDDEN)

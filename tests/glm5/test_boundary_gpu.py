@@ -310,6 +310,18 @@ def test_cuda_graph_replays(m: int, name: str) -> None:
         check_boundary(op, outs, reference.all_reduce(partials, lanes=4), args, [o.raw_mixes[:m].clone() for o in ops])
 
 
+def mixes_alone(op):
+    """The op's mixes kernel launched by itself (with the op's buffers and spin bound)."""
+    from mhc_core.host.launch import BoundKernel
+
+    kernel = op._mixes_kernel
+    fixed = dict(
+        mixes=op._mixes_handoff, raw_out=op.raw_mixes, spin_limit_ns=op.spin.handoff_limit_ns,
+        error_flag=op.spin.address, state=op.state.data_ptr(),
+    )  # fmt: skip
+    return BoundKernel(kernel.function, kernel.kernel.signature(), fixed, op.device)
+
+
 def test_mixes_kernel_gives_up_on_raw_mixes_never_written() -> None:
     """The side-stream mixes kernel polls each token's hand-off row with the op's spin bound:
     a boundary that never ran makes it report and finish instead of hanging."""
@@ -322,7 +334,7 @@ def test_mixes_kernel_gives_up_on_raw_mixes_never_written() -> None:
     scale, base = torch.ones(3, device="cuda"), torch.zeros(24, device="cuda")
     post_out, comb_out = poisoned((3, HC, 1), torch.float32), poisoned((3, HC, HC), torch.float32)
     torch.cuda.synchronize()
-    op._mixes(scale=scale, base=base, post_out=post_out, comb_out=comb_out, m=3)
+    mixes_alone(op)(scale=scale, base=base, post_out=post_out, comb_out=comb_out, m=3)
     torch.cuda.synchronize()  # returns: the kernel gave up on its own
     assert is_poisoned(post_out).all() and is_poisoned(comb_out).all()
     with pytest.raises(LamportTimeoutError, match="hand-off row"):

@@ -9,15 +9,16 @@ and the two-phase form keep the publish. Construction is collective over ``group
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 
 from mhc_core.device.publish import TRIGGER_AFTER_STORES
+from mhc_core.host.calls import M, Rule, ScalarRule, TensorRule, tensor
 from mhc_core.host.moe import MoEOutput
-from mhc_core.host.op import LamportOp, Plan
-from mhc_core.host.validation import check_int, check_positive_float, check_tensor
+from mhc_core.host.op import LamportOp
+from mhc_core.host.programs import Fixed, Launch, Pointer, Scalar, Source
+from mhc_core.host.validation import check_int, check_positive_float
 from mhc_core.presets import warn_if_untuned
 
 from . import library  # noqa: F401  (registers the mhc::dsv41_* custom ops)
@@ -132,131 +133,74 @@ class AllReduceMHC(LamportOp):
 
         return cls.from_config(get(name).PRESET, max_num_tokens=max_num_tokens, device=device, group=group, **options)
 
-    # ----------------------------------------------------------- collective
-    def _bind_collectives(self) -> None:
-        self._collective = self._bind(self._collective_kernel, self._collective_fixed())
+    # ----------------------------------------------------------- the call
+    def _collect_rules(self) -> tuple[Rule, ...]:
+        hc, hidden = self.hc_mult, self.hidden_size
+        return (
+            tensor("residual", (M, hc, hidden), dtype=torch.bfloat16),
+            tensor("post", (M, hc), (M, hc, 1), dtype=torch.float32, align=4),
+            tensor("comb", (M, hc, hc), dtype=torch.float32, align=4),
+            tensor("pre", (M, hc), dtype=torch.float32, align=4),
+            tensor("norm_weight", (hidden,), dtype=torch.bfloat16),
+            ScalarRule("norm_eps"),
+        )
 
-    def _warmup_collects(self) -> list[Callable[[bool], Any]]:
+    def _output_rules(self) -> tuple[TensorRule, ...]:
+        return (
+            tensor("out[0] (residual_out)", (M, self.hc_mult, self.hidden_size), dtype=torch.bfloat16),
+            tensor("out[1] (layer_input)", (M, self.hidden_size), dtype=torch.bfloat16),
+        )
+
+    def _collect_launches(self, *, direct: bool, prefetch: Source) -> list[Launch]:
+        sources = dict(
+            self._collective_fixed(),
+            residual=Pointer("residual"),
+            post=Pointer("post"),
+            comb=Pointer("comb"),
+            pre=Pointer("pre"),
+            gamma=Pointer("norm_weight"),
+            residual_out=Pointer("out[0] (residual_out)"),
+            layer_input=Pointer("out[1] (layer_input)"),
+            eps=Scalar("norm_eps"),
+            prefetch=prefetch,
+            # Read only when direct (tp = 1): the collective then reads x instead of the mailbox.
+            x=Pointer("x" if direct else "residual"),
+            direct=Fixed(int(direct)),
+        )
+        kernel = self._collective_kernel
+        return [Launch([kernel.function], kernel.kernel.signature(), sources)]
+
+    def _allocate(self, like: Any, values: tuple, m: int) -> tuple[torch.Tensor, ...]:
+        layer_input = (
+            torch.empty_like(like)  # x or the MoE shared output: [M, hidden] BF16 like the layer input
+            if like is not None
+            else torch.empty((m, self.hidden_size), dtype=torch.bfloat16, device=self.device)
+        )
+        return torch.empty_like(values[0]), layer_input  # values[0]: the residual streams
+
+    def _warmup_collects(self) -> list[tuple[tuple, int]]:
         hc, hidden, device = self.hc_mult, self.hidden_size, self.device
         residual = torch.zeros(1, hc, hidden, dtype=torch.bfloat16, device=device)
         mixes = torch.zeros(1, hc, dtype=torch.float32, device=device)
         comb = torch.zeros(1, hc, hc, dtype=torch.float32, device=device)
         weight = torch.ones(hidden, dtype=torch.bfloat16, device=device)
-        collect = self._prepare_collect(1, residual, mixes, comb, mixes, weight, 1e-6, None)
-        return [collect]
+        return [((residual, mixes, comb, mixes, weight, 1e-6), -1)]
 
-    def _prepare_collect(self, m: int, *args: Any) -> Callable[[bool], Outputs]:
-        """Validate every collective input for M tokens (``_check_collect``'s arguments); return the launch."""
-        self._check_collect(m, *args)
-        return self._collect_launch(m, *args)
-
-    def _check_collect(
-        self,
-        m: int,
-        residual: torch.Tensor,
-        post: torch.Tensor,
-        comb: torch.Tensor,
-        pre: torch.Tensor,
-        norm_weight: torch.Tensor,
-        norm_eps: float,
-        out: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> None:
-        """Every check of the collective's inputs (and of ``out``) for M tokens."""
-        hc, hidden, device = self.hc_mult, self.hidden_size, self.device
-        check_tensor("residual", residual, shape=(m, hc, hidden), dtype=torch.bfloat16, device=device)
-        check_tensor("post", post, shape=[(m, hc), (m, hc, 1)], dtype=torch.float32, device=device, align=4)
-        check_tensor("comb", comb, shape=(m, hc, hc), dtype=torch.float32, device=device, align=4)
-        check_tensor("pre", pre, shape=(m, hc), dtype=torch.float32, device=device, align=4)
-        check_tensor("norm_weight", norm_weight, shape=(hidden,), dtype=torch.bfloat16, device=device)
-        check_positive_float("norm_eps", norm_eps)
-        if out is None:
-            return
-        if not isinstance(out, (tuple, list)) or len(out) != 2:
-            raise TypeError("out: expected a (residual_out, layer_input) pair of tensors")
-        check_tensor("out[0] (residual_out)", out[0], shape=(m, hc, hidden), dtype=torch.bfloat16, device=device)
-        check_tensor("out[1] (layer_input)", out[1], shape=(m, hidden), dtype=torch.bfloat16, device=device)
-
-    def _collect_launch(
-        self,
-        m: int,
-        residual: torch.Tensor,
-        post: torch.Tensor,
-        comb: torch.Tensor,
-        pre: torch.Tensor,
-        norm_weight: torch.Tensor,
-        norm_eps: float,
-        out: tuple[torch.Tensor, torch.Tensor] | None,
-        *,
-        x: torch.Tensor | None = None,
-    ) -> Callable[[bool], Outputs]:
-        """The launch of checked collective inputs (with ``x``, checked too: the tp = 1 direct read)."""
-        if out is None:
-            # Like the checked inputs of the same shape and dtype (empty_like: half the host time of
-            # torch.empty with a shape, dtype and device to parse).
-            residual_out = torch.empty_like(residual, memory_format=torch.contiguous_format)
-            layer_input = torch.empty((m, self.hidden_size), dtype=torch.bfloat16, device=self.device)
+    def _plan_values(self, method: str, *args: Any, **kwargs: Any) -> tuple[object, tuple, Any]:
+        out = kwargs.pop("out", None)
+        if method == "finalize":
+            if len(args) not in (9, 10) or kwargs:
+                raise TypeError(
+                    "finalize: expected the four MoE tensors, then residual, post, comb, pre, norm_weight "
+                    f"(and optionally norm_eps), got {len(args)} positional arguments"
+                )
+            x: object = MoEOutput(*args[:4])
+            args = args[4:]
         else:
-            residual_out, layer_input = out
-        collective, eps = self._collective.launch, float(norm_eps)
-
-        def collect(after_publish: bool) -> Outputs:
-            collective(
-                residual=residual,
-                post=post,
-                comb=comb,
-                pre=pre,
-                gamma=norm_weight,
-                residual_out=residual_out,
-                layer_input=layer_input,
-                eps=eps,
-                # Reading x directly waits first: the kernel before is x's producer, not a publish.
-                prefetch=int(after_publish and x is None),
-                x=x if x is not None else residual,  # read only when direct
-                direct=int(x is not None),
-                m=m,
-            )
-            return residual_out, layer_input
-
-        return collect
-
-    # ------------------------------------------------------------ public API
-    def _plan_call(
-        self,
-        x: torch.Tensor | MoEOutput,
-        residual: torch.Tensor,
-        post: torch.Tensor,
-        comb: torch.Tensor,
-        pre: torch.Tensor,
-        norm_weight: torch.Tensor,
-        norm_eps: float | None = None,
-        *,
-        out: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> Plan:
-        collect_args = (residual, post, comb, pre, norm_weight, self.norm_eps if norm_eps is None else norm_eps, out)
-        self._checked(("call", x, *collect_args), lambda: self._check_collect(self._check_publish(x), *collect_args))
-        return self._plan_checked(x, *collect_args)
-
-    def _plan_finalize(
-        self,
-        gemm2_permuted: torch.Tensor,
-        expert_weights: torch.Tensor,
-        expanded_idx_to_permuted_idx: torch.Tensor,
-        shared_output: torch.Tensor,
-        *collect_args: Any,
-        out: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> Plan:
-        moe = MoEOutput(gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx, shared_output)
-        if len(collect_args) not in (5, 6):
-            raise TypeError(
-                "finalize: expected residual, post, comb, pre, norm_weight (and optionally norm_eps) after the MoE "
-                f"tensors, got {len(collect_args)} more arguments"
-            )
-        residual, post, comb, pre, norm_weight = collect_args[:5]
-        norm_eps = collect_args[5] if len(collect_args) == 6 and collect_args[5] is not None else self.norm_eps
-        args = (residual, post, comb, pre, norm_weight, norm_eps, out)
-        values = (gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx, shared_output, *args)
-        self._checked(("finalize", *values), lambda: self._check_collect(self._check_publish(moe), *args))
-        return self._plan_checked(moe, *args)
+            x, args = args[0], args[1:]
+        residual, post, comb, pre, norm_weight, *rest = args
+        norm_eps = kwargs.pop("norm_eps", rest[0] if rest else None)
+        return x, (residual, post, comb, pre, norm_weight, self.norm_eps if norm_eps is None else norm_eps), out
 
     def supports(self, tokens: int) -> bool:
         """Whether a call with ``tokens`` tokens fits this op (``1 <= tokens <= max_num_tokens``)."""
@@ -288,7 +232,8 @@ class AllReduceMHC(LamportOp):
             norm_eps: RMSNorm epsilon (finite, > 0); None: the op's ``norm_eps``.
             out: optional preallocated (residual_out, layer_input).
         """
-        return cast(Outputs, self._call(self._plan_call, x, residual, post, comb, pre, norm_weight, norm_eps, out=out))
+        eps = self.norm_eps if norm_eps is None else norm_eps
+        return cast(Outputs, self._call(x, (residual, post, comb, pre, norm_weight, eps), out))
 
     def finalize(
         self,
@@ -311,23 +256,9 @@ class AllReduceMHC(LamportOp):
         ``expanded_idx_to_permuted_idx`` ``[M, top_k]`` int32, -1 for experts this
         rank does not hold; ``shared_output`` ``[M, hidden]`` BF16.
         """
-        return cast(
-            Outputs,
-            self._call(
-                self._plan_finalize,
-                gemm2_permuted,
-                expert_weights,
-                expanded_idx_to_permuted_idx,
-                shared_output,
-                residual,
-                post,
-                comb,
-                pre,
-                norm_weight,
-                norm_eps,
-                out=out,
-            ),
-        )
+        eps = self.norm_eps if norm_eps is None else norm_eps
+        fields = (shared_output, gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx)  # MOE_FIELDS order
+        return cast(Outputs, self._call_moe(fields, (residual, post, comb, pre, norm_weight, eps), out))
 
     def collect(
         self,
@@ -345,13 +276,7 @@ class AllReduceMHC(LamportOp):
         kernel right before on this stream is that publish (the collective then loads its
         inputs before the PDL wait)."""
         eps = self.norm_eps if norm_eps is None else norm_eps
-        return cast(
-            Outputs,
-            self._collect_pending(
-                lambda m: self._prepare_collect(m, residual, post, comb, pre, norm_weight, eps, out),
-                after_publish,
-            ),
-        )
+        return cast(Outputs, self._collect_pending((residual, post, comb, pre, norm_weight, eps), out, after_publish))
 
     def __repr__(self) -> str:
         c = self.config

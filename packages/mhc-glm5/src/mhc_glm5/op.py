@@ -26,19 +26,20 @@ and raw mixes outlive the op until its side work has finished.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import torch
 
 from mhc_core.constants import SUPPORTED_ARCHS
 from mhc_core.device.publish import TRIGGER_AFTER_WAIT
+from mhc_core.host.calls import M, Rule, TensorRule, tensor
 from mhc_core.host.compiler import kernel_from_spec
-from mhc_core.host.launch import BoundKernel
 from mhc_core.host.moe import MoEOutput
-from mhc_core.host.op import LamportOp, Plan
+from mhc_core.host.op import LamportOp
+from mhc_core.host.programs import DIM_M, Fixed, Launch, Pointer, Source
 from mhc_core.host.streams import SideWork
-from mhc_core.host.validation import check_int, check_tensor
+from mhc_core.host.validation import check_int
 from mhc_core.presets import PresetError, warn_if_untuned
 
 from . import library  # noqa: F401  (registers the mhc::glm5_* custom ops)
@@ -143,8 +144,8 @@ class AllReduceMhcBoundary(LamportOp):
         # The boundaries' clusters count in here; the last one moves the stage on (it polls before
         # its PDL wait: ``mhc_core.device.protocol.advance_stage_after_all``).
         self._arrivals = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self._side = SideWork(self.device)
-        self._side.own(self._mixes_handoff, self._raw_mixes)
+        self._side_work = SideWork(self.device)
+        self._side_work.own(self._mixes_handoff, self._raw_mixes)
         self._order.own(self._mixes_handoff, self._raw_mixes, self._arrivals)
         self._setup()
 
@@ -198,14 +199,14 @@ class AllReduceMhcBoundary(LamportOp):
     def join(self) -> None:
         """Make the current stream wait for the last mixes kernel (post_out / comb_out complete).
         Inside a CUDA-graph capture, call it before the capture ends."""
-        if self._closed or self._side.idle:  # close() synchronised the device already
+        if self._closed or self._side_work.idle:  # close() synchronised the device already
             return
-        self._side.join(*self._order.current())
+        self._side_work.join(*self._order.current())
 
     @property
     def side_stream(self) -> torch.cuda.Stream:
         """The stream the mixes kernel runs on (``join()`` rejoins it)."""
-        return self._side.stream
+        return self._side_work.stream
 
     @property
     def raw_mixes(self) -> torch.Tensor:
@@ -217,24 +218,99 @@ class AllReduceMhcBoundary(LamportOp):
         """The boundary kernel ``__call__`` picks for M tokens (``cluster_tokens`` thresholds)."""
         return self.preset.tokens_per_cluster(m)
 
-    # ----------------------------------------------------------- collective
-    def _bind_collectives(self) -> None:
-        fixed = self._collective_fixed()
-        self._boundaries: dict[int, BoundKernel] = {
-            tokens: self._bind(kernel, dict(fixed, mixes_out=self._mixes_handoff, arrivals=self._arrivals))
-            for tokens, kernel in self._boundary_kernels.items()
-        }
-        assert self.mailbox is not None
-        # The hand-off wait outlasts the boundary's own (``SpinGuard.handoff_limit_ns``); a timeout
-        # there poisons the op through its error word like any other.
-        spin = dict(
-            spin_limit_ns=self.spin.handoff_limit_ns,
-            error_flag=fixed["error_flag"],
-            state=self.mailbox.stage_state.data_ptr(),
-        )
-        self._mixes = self._bind(self._mixes_kernel, dict(spin, mixes=self._mixes_handoff, raw_out=self._raw_mixes))
+    def _side(self) -> tuple[int, int]:
+        return self._side_work.handle, self._side_work.fork_handle
 
-    def _warmup_collects(self) -> list[Callable[[bool], Any]]:
+    def _events(self, capture: int) -> tuple[int, int]:
+        # The previous mixes kernel still reads and re-arms the hand-off rows until joined.
+        return self._side_work.native_events(self._order.stream, capture)
+
+    def _launched(self, capture: int, values: Sequence[object], outputs: Sequence[torch.Tensor]) -> None:
+        # The side kernel uses these after the current stream may have dropped them.
+        scale, base = values[-3], values[-2]
+        self._side_work.launched(capture, (outputs[1], outputs[2], scale, base))
+
+    # ----------------------------------------------------------- the call
+    def _collect_rules(self) -> tuple[Rule, ...]:
+        hidden = self.hidden_size
+        return (
+            tensor("residual", (M, HC, hidden), dtype=torch.bfloat16),
+            tensor("post", (M, HC, 1), (M, HC), dtype=torch.float32, align=4),
+            tensor("comb", (M, HC, HC), dtype=torch.float32, align=4),
+            tensor("fn", (MIX, HC * hidden), dtype=torch.bfloat16),
+            tensor("scale", (3,), dtype=torch.float32, align=4),
+            tensor("base", (MIX,), dtype=torch.float32, align=4),
+            tensor("norm_weight", (hidden,), dtype=torch.bfloat16),
+        )
+
+    def _output_rules(self) -> tuple[TensorRule, ...]:
+        shapes = ((M, HC, self.hidden_size), (M, HC, 1), (M, HC, HC), (M, self.hidden_size))
+        return tuple(
+            tensor(name, shape, dtype=dtype)
+            for name, shape, dtype in zip(OUTPUT_NAMES, shapes, OUTPUT_DTYPES, strict=True)
+        )
+
+    def _collect_launches(self, *, direct: bool, prefetch: Source) -> list[Launch]:
+        residual_out, post_out, comb_out, layer_input = (Pointer(name) for name in OUTPUT_NAMES)
+        boundary = dict(
+            self._collective_fixed(),
+            residual=Pointer("residual"),
+            post=Pointer("post"),
+            comb=Pointer("comb"),
+            fn=Pointer("fn"),
+            scale=Pointer("scale"),
+            base=Pointer("base"),
+            gamma=Pointer("norm_weight"),
+            residual_out=residual_out,
+            layer_input=layer_input,
+            mixes_out=Fixed(self._mixes_handoff),
+            arrivals=Fixed(self._arrivals),
+            # Read only when direct (tp = 1): the boundary then reads x instead of the mailbox.
+            x=Pointer("x" if direct else "residual"),
+            prefetch=prefetch,
+            direct=Fixed(int(direct)),
+        )
+        tokens = [1, *(tokens for _, tokens in self.cluster_tokens)]
+        kernels = [self._boundary_kernels[count] for count in tokens]
+        assert self.mailbox is not None
+        mixes = dict(
+            # The hand-off wait outlasts the boundary's own (``SpinGuard.handoff_limit_ns``); a timeout
+            # there poisons the op through its error word like any other.
+            spin_limit_ns=Fixed(self.spin.handoff_limit_ns),
+            error_flag=Fixed(self.spin.address),
+            state=Fixed(self.mailbox.stage_state.data_ptr()),
+            mixes=Fixed(self._mixes_handoff),
+            raw_out=Fixed(self._raw_mixes),
+            scale=Pointer("scale"),
+            base=Pointer("base"),
+            post_out=post_out,
+            comb_out=comb_out,
+            m=DIM_M,
+        )
+        return [
+            Launch(
+                [kernel.function for kernel in kernels],
+                kernels[0].kernel.signature(),
+                boundary,
+                min_tokens=[1, *(threshold for threshold, _ in self.cluster_tokens)],
+            ),
+            # Launched after the boundary, so a boundary that fails to launch leaves no waiter; on
+            # the side stream, forked before the boundary: it polls the hand-off rows alongside it.
+            Launch([self._mixes_kernel.function], self._mixes_kernel.kernel.signature(), mixes, side=True),
+        ]
+
+    def _allocate(self, like: Any, values: tuple, m: int) -> tuple[torch.Tensor, ...]:
+        residual, post, comb = values[:3]
+        # post is [M, 4, 1] or [M, 4]: post_out is [M, 4, 1] either way (a contiguous view of the latter).
+        post_out = torch.empty_like(post) if post.dim() == 3 else torch.empty_like(post).unsqueeze(2)
+        layer_input = (
+            torch.empty_like(like)  # x or the MoE shared output: [M, hidden] BF16 like the layer input
+            if like is not None
+            else torch.empty((m, self.hidden_size), dtype=torch.bfloat16, device=self.device)
+        )
+        return torch.empty_like(residual), post_out, torch.empty_like(comb), layer_input
+
+    def _warmup_collects(self) -> list[tuple[tuple, int]]:
         hidden, device = self.hidden_size, self.device
         residual = torch.zeros(1, HC, hidden, dtype=torch.bfloat16, device=device)
         post = torch.zeros(1, HC, 1, dtype=torch.float32, device=device)
@@ -243,131 +319,19 @@ class AllReduceMhcBoundary(LamportOp):
         scale = torch.ones(3, dtype=torch.float32, device=device)
         base = torch.zeros(MIX, dtype=torch.float32, device=device)
         weight = torch.ones(hidden, dtype=torch.bfloat16, device=device)
-        return [
-            self._prepare_collect(1, residual, post, comb, fn, scale, base, weight, None, tokens=tokens)
-            for tokens in self._boundaries
-        ]
+        values = (residual, post, comb, fn, scale, base, weight)
+        tokens = [1, *(tokens for _, tokens in self.cluster_tokens)]
+        # One launch of each boundary kernel (the variant that first serves its tokens per cluster).
+        return [(values, tokens.index(count)) for count in self._boundary_kernels]
 
-    def _prepare_collect(self, m: int, *args: Any, tokens: int | None = None) -> Callable[[bool], Outputs]:
-        """Validate every boundary input for M tokens (``_check_collect``'s arguments); return the launch
-        (boundary, then side mixes)."""
-        self._check_collect(m, *args)
-        return self._collect_launch(m, *args, tokens=tokens)
-
-    def _check_collect(
-        self,
-        m: int,
-        residual: torch.Tensor,
-        post: torch.Tensor,
-        comb: torch.Tensor,
-        fn: torch.Tensor,
-        scale: torch.Tensor,
-        base: torch.Tensor,
-        norm_weight: torch.Tensor,
-        out: Sequence[torch.Tensor] | None,
-    ) -> None:
-        """Every check of the boundary's inputs (and of ``out``) for M tokens."""
-        hidden, device = self.hidden_size, self.device
-        check_tensor("residual", residual, shape=(m, HC, hidden), dtype=torch.bfloat16, device=device)
-        check_tensor("post", post, shape=[(m, HC, 1), (m, HC)], dtype=torch.float32, device=device, align=4)
-        check_tensor("comb", comb, shape=(m, HC, HC), dtype=torch.float32, device=device, align=4)
-        check_tensor("fn", fn, shape=(MIX, HC * hidden), dtype=torch.bfloat16, device=device)
-        check_tensor("scale", scale, shape=(3,), dtype=torch.float32, device=device, align=4)
-        check_tensor("base", base, shape=(MIX,), dtype=torch.float32, device=device, align=4)
-        check_tensor("norm_weight", norm_weight, shape=(hidden,), dtype=torch.bfloat16, device=device)
-        if out is None:
-            return
-        if not isinstance(out, (tuple, list)) or len(out) != 4:
-            raise TypeError("out: expected a (residual_out, post_out, comb_out, layer_input) tuple of tensors")
-        for name, tensor, shape, dtype in zip(OUTPUT_NAMES, out, self._output_shapes(m), OUTPUT_DTYPES, strict=True):
-            check_tensor(name, tensor, shape=shape, dtype=dtype, device=device)
-
-    def _output_shapes(self, m: int) -> tuple[tuple[int, ...], ...]:
-        return (m, HC, self.hidden_size), (m, HC, 1), (m, HC, HC), (m, self.hidden_size)
-
-    def _collect_launch(
-        self,
-        m: int,
-        residual: torch.Tensor,
-        post: torch.Tensor,
-        comb: torch.Tensor,
-        fn: torch.Tensor,
-        scale: torch.Tensor,
-        base: torch.Tensor,
-        norm_weight: torch.Tensor,
-        out: Sequence[torch.Tensor] | None,
-        *,
-        tokens: int | None = None,
-        x: torch.Tensor | None = None,
-    ) -> Callable[[bool], Outputs]:
-        """The launch of checked boundary inputs. With ``x`` (tp = 1, checked too) the boundary
-        reads it instead of the mailbox."""
-        device = self.device
-        if out is None:
-            # Like the checked inputs of the same shape and dtype (empty_like: half the host time of
-            # torch.empty with a shape, dtype and device to parse).
-            residual_out = torch.empty_like(residual, memory_format=torch.contiguous_format)
-            post_out = torch.empty((m, HC, 1), dtype=torch.float32, device=device)
-            comb_out = torch.empty_like(comb, memory_format=torch.contiguous_format)
-            layer_input = torch.empty((m, self.hidden_size), dtype=torch.bfloat16, device=device)
-        else:
-            residual_out, post_out, comb_out, layer_input = out
-        boundary = self._boundaries[tokens if tokens is not None else self.tokens_per_cluster(m)].launch
-
-        side, order, mixes = self._side, self._order, self._mixes.launch
-
-        def collect(after_publish: bool) -> Outputs:
-            if order.in_call:  # the call's stream and capture, as CallOrder.begin found them
-                current, capture = cast(torch.cuda.Stream, order.stream), order.capture
-            else:  # the warm-up (no call in progress)
-                current, capture = order.current()
-            # The previous mixes kernel still reads and re-arms the hand-off rows until joined.
-            side.join(current, capture)
-            # The mixes kernel waits only for what precedes the boundary, then polls each token's
-            # hand-off row: it runs alongside the boundary instead of one launch after it.
-            side.fork(current)
-            boundary(
-                residual=residual,
-                post=post,
-                comb=comb,
-                fn=fn,
-                scale=scale,
-                base=base,
-                gamma=norm_weight,
-                residual_out=residual_out,
-                layer_input=layer_input,
-                x=x if x is not None else residual,  # read only when direct
-                # Reading x directly waits first: the kernel before is x's producer, not a publish.
-                prefetch=int(after_publish and x is None),
-                direct=int(x is not None),
-                m=m,
-            )
-            # Launched after the boundary, so a boundary that fails to launch leaves no waiter.
-            mixes(stream=side.handle, scale=scale, base=base, post_out=post_out, comb_out=comb_out, m=m)
-            # The side kernel uses these after the current stream may have dropped them.
-            side.launched(capture, (post_out, comb_out, scale, base))
-            return residual_out, post_out, comb_out, layer_input
-
-        return collect
+    def _plan_values(self, method: str, *args: Any, **kwargs: Any) -> tuple[object, tuple, Any]:
+        if method != "call":
+            raise ValueError(f"method: AllReduceMhcBoundary takes 'call' (MoE input as a MoEOutput), got {method!r}")
+        out = kwargs.pop("out", None)
+        x, *values = args
+        return x, tuple(values), out
 
     # ------------------------------------------------------------ public API
-    def _plan_call(
-        self,
-        x: torch.Tensor | MoEOutput,
-        residual: torch.Tensor,
-        post: torch.Tensor,
-        comb: torch.Tensor,
-        fn: torch.Tensor,
-        scale: torch.Tensor,
-        base: torch.Tensor,
-        norm_weight: torch.Tensor,
-        *,
-        out: Sequence[torch.Tensor] | None = None,
-    ) -> Plan:
-        args = (residual, post, comb, fn, scale, base, norm_weight, out)
-        self._checked(("call", x, *args), lambda: self._check_collect(self._check_publish(x), *args))
-        return self._plan_checked(x, *args)
-
     def __call__(
         self,
         x: torch.Tensor | MoEOutput,
@@ -397,9 +361,7 @@ class AllReduceMhcBoundary(LamportOp):
 
         ``post_out`` and ``comb_out`` are written on a side stream: complete after ``join()``.
         """
-        return cast(
-            Outputs, self._call(self._plan_call, x, residual, post, comb, fn, scale, base, norm_weight, out=out)
-        )
+        return cast(Outputs, self._call(x, (residual, post, comb, fn, scale, base, norm_weight), out))
 
     def collect(
         self,
@@ -417,11 +379,7 @@ class AllReduceMhcBoundary(LamportOp):
         """Phase two, for the pending ``publish``; ``after_publish=True`` promises the kernel
         right before on this stream is that publish."""
         return cast(
-            Outputs,
-            self._collect_pending(
-                lambda m: self._prepare_collect(m, residual, post, comb, fn, scale, base, norm_weight, out),
-                after_publish,
-            ),
+            Outputs, self._collect_pending((residual, post, comb, fn, scale, base, norm_weight), out, after_publish)
         )
 
     def __repr__(self) -> str:

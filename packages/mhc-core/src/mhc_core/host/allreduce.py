@@ -9,15 +9,16 @@ arrives. The result is the BF16 rounding of the FP32 sum over ranks in the order
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..device.collective import CollectiveConfig, CollectiveKernel
 from ..device.publish import TRIGGER_AFTER_STORES
+from .calls import M, Rule, TensorRule, tensor
 from .moe import MoEOutput
-from .op import LamportOp, Plan, optional_output
+from .op import LamportOp
+from .programs import Launch, Pointer, Source
 
 
 class LamportAllReduce(LamportOp):
@@ -27,6 +28,9 @@ class LamportAllReduce(LamportOp):
     a ``LoopbackGroup`` rank). ``lanes`` rank lanes share each fragment (1: ranks
     summed one after another).
     """
+
+    #: The plain collective reads only the mailbox: a tp = 1 call still publishes.
+    reads_x = False
 
     def __init__(
         self,
@@ -59,33 +63,42 @@ class LamportAllReduce(LamportOp):
         self._collective_kernel = self._compile(CollectiveKernel(config))
         self._setup()
 
-    def _bind_collectives(self) -> None:
-        self._collective = self._bind(self._collective_kernel, self._collective_fixed())
+    def _collect_rules(self) -> tuple[Rule, ...]:
+        return ()
 
-    def _warmup_collects(self) -> list[Callable[[bool], Any]]:
-        out = torch.empty(1, self.hidden_size, dtype=torch.bfloat16, device=self.device)
-        return [lambda after_publish: self._collective(out=out, m=1)]
+    def _output_rules(self) -> tuple[TensorRule, ...]:
+        return (tensor("out", (M, self.hidden_size), dtype=torch.bfloat16),)
 
-    def _prepare_collect(self, m: int, out: torch.Tensor | None) -> Callable[[bool], torch.Tensor]:
-        out = optional_output("out", out, (m, self.hidden_size), torch.bfloat16, self.device)
+    def _collect_launches(self, *, direct: bool, prefetch: Source) -> list[Launch]:
+        kernel = self._collective_kernel
+        return [
+            Launch([kernel.function], kernel.kernel.signature(), dict(self._collective_fixed(), out=Pointer("out")))
+        ]
 
-        def collect(after_publish: bool) -> torch.Tensor:
-            self._collective(out=out, m=m)
-            return out
+    def _allocate(self, like: Any, values: tuple, m: int) -> tuple[torch.Tensor, ...]:
+        if like is not None:  # x or the MoE shared output: [M, hidden] BF16 like the result
+            return (torch.empty_like(like),)
+        return (torch.empty((m, self.hidden_size), dtype=torch.bfloat16, device=self.device),)
 
-        return collect
+    def _returns(self, outputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return outputs[0]
 
-    def _plan_call(self, x: torch.Tensor | MoEOutput, *, out: torch.Tensor | None = None) -> Plan:
-        m, publish = self._prepare_publish(x)
-        return Plan(m, publish, self._prepare_collect(m, out))
+    def _warmup_collects(self) -> list[tuple[tuple, int]]:
+        return [((), -1)]
+
+    def _plan_values(self, method: str, *args: Any, **kwargs: Any) -> tuple[object, tuple, Any]:
+        if method != "call":
+            raise ValueError(f"method: LamportAllReduce takes 'call' (MoE input as a MoEOutput), got {method!r}")
+        (x,) = args
+        return x, (), kwargs.pop("out", None)
 
     def __call__(self, x: torch.Tensor | MoEOutput, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """The all-reduced ``[M, hidden]`` BF16 sum of every rank's ``x`` (or finalized MoE output)."""
-        return self._call(self._plan_call, x, out=out)
+        return self._returns(self._call(x, (), out))
 
     def collect(self, *, out: torch.Tensor | None = None, after_publish: bool = False) -> torch.Tensor:
         """Phase two: the all-reduced result of the pending ``publish``."""
-        return self._collect_pending(lambda m: self._prepare_collect(m, out), after_publish)
+        return self._returns(self._collect_pending((), out, after_publish))
 
     def __repr__(self) -> str:
         return f"LamportAllReduce(lanes={self.lanes}, {self._describe()})"

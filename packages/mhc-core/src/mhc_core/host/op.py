@@ -1,11 +1,17 @@
 """``LamportOp``: what every fused op shares: group, transport, mailbox, publish kernels, spin guard,
-warm-up and the two-phase ``publish`` / ``collect`` form.
+the per-call programs, warm-up and the two-phase ``publish`` / ``collect`` form.
 
 Construction (collective over the group): validate every argument (no CUDA call, no
 compile, no allocation before that), compile every kernel the op will launch, allocate the
-mailbox, bind persistent arguments, warm up. ``super().__init__`` validates the common
-arguments; a subclass validates its own, then calls ``_build_publishes()`` (the arch, the
-spin guard, the publish kernels), compiles its collective kernels and calls ``_setup()``.
+mailbox, bind the call forms into native programs (``mhc_core.host.programs``), warm up.
+``super().__init__`` validates the common arguments; a subclass validates its own, then calls
+``_build_publishes()`` (the arch, the spin guard, the publish kernels), compiles its collective
+kernels and calls ``_setup()``.
+
+A call is one native program call (``mhc_core.host.native``): it checks every argument,
+allocates the outputs and launches, in C++; bad input raises before any launch, with the message
+``mhc_core.host.calls.check_call`` gives. A subclass declares its call once: the collective's
+rules (``_collect_rules``), its outputs (``_output_rules``) and its launches (``_collect_launches``).
 
 PDL: a collective may load its inputs before ``griddepcontrol.wait`` only when the
 kernel right before it is a publish that waited. ``__call__`` and the loopback
@@ -21,10 +27,9 @@ configuration share their compiled kernels (the compile cache), only the mailbox
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -32,23 +37,34 @@ from ..device import protocol
 from ..device.kernel import DeviceKernel
 from ..device.publish import FinalizePublishKernel, PublishConfig, PublishKernel
 from . import library
+from .calls import ROWS, M, Rule, TensorRule, check_call, tensor
 from .compiler import LOG, CompiledKernel, compile_kernel, device_arch
 from .groups import SUPPORTED_TP, normalize_device, resolve_group
-from .launch import BoundKernel
 from .mailbox import LamportMailbox, mailbox_elements, resolve_transport
 from .moe import MoEOutput
+from .programs import (
+    AFTER_PUBLISH,
+    AFTER_PUBLISH_FLAG,
+    CHECK_ONLY,
+    DIM_M,
+    DIM_ROWS,
+    RECORD_DONE,
+    Fixed,
+    Launch,
+    Pointer,
+    Program,
+    Source,
+)
 from .spin import SpinGuard, resolve_timeout_ms
 from .streams import CallOrder
-from .validation import ValidatedCalls, argument_key, check_int, check_tensor, check_token_count, leading_extent
+from .validation import check_int
 
 WEIGHT_TORCH_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 #: The most tokens a call can take: a publish encodes M as ``2 M + 1`` in a mailbox header word
 #: that must never read as the -0 sentinel (``mhc_core.device.protocol.encode_count``).
 MAX_NUM_TOKENS = 2**30 - 1
-
-
-def _no_publish() -> None:
-    """A tp = 1 plain call's publish: none (the collective reads x)."""
+#: The MoE expert output's fields in the order a program takes them (the first binds M).
+MOE_FIELDS = ("shared_output", "gemm2_permuted", "expert_weights", "expanded_idx_to_permuted_idx")
 
 
 @dataclass
@@ -60,15 +76,29 @@ class Plan:
     collect: Callable[[bool], Any]
 
 
+@dataclass
+class Programs:
+    """An op's call forms, each bound into the native executor."""
+
+    #: A plain ``[M, hidden]`` input: publish + collective (tp = 1: the collective reads x itself).
+    call: Program
+    #: A ``MoEOutput`` input, per routing-weight dtype: finalize publish + collective.
+    call_moe: dict[torch.dtype, Program]
+    #: The two phases.
+    publish: Program
+    publish_moe: dict[torch.dtype, Program]
+    collect: Program
+    #: The rules a MoE call is explained by (every accepted weight dtype).
+    moe_rules: tuple[Rule, ...] = ()
+
+
 class LamportOp:
     """Base of the fused ops (see the module docstring)."""
 
-    #: A model op's ``_collect_launch(m, *checked_args, x=None)``: the collective's launch for
-    #: checked arguments (with ``x``: the tp = 1 direct read).
-    _collect_launch: Callable[..., Callable[[bool], Any]]
-
     #: Routing-weight dtypes the finalize publish accepts.
     weight_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
+    #: Whether the collective can read x itself at tp = 1 (a call then launches no publish).
+    reads_x: bool = True
 
     def __init__(
         self,
@@ -113,7 +143,7 @@ class LamportOp:
         self.mailbox: LamportMailbox | None = None
         self._pending_m: int | None = None
         self._closed = False
-        self._validated = ValidatedCalls()
+        self._peers_ready = False
 
     def _build_publishes(self) -> None:
         """After every argument is validated: the arch, the spin guard, the publish kernels."""
@@ -128,11 +158,11 @@ class LamportOp:
     # ------------------------------------------------------------ construction
     def _compile(self, kernel: DeviceKernel) -> CompiledKernel:
         with torch.cuda.device(self.device):
-            # persist: into MHC_CACHE_DIR where set (mhc_core.host.artifacts), for the next process.
+            # persist: into the on-disk cache (mhc_core.host.artifacts), for the next process.
             return compile_kernel(kernel, self.arch, persist=True)
 
     def _setup(self) -> None:
-        """Allocate the mailbox (collective), bind arguments, warm up (collective)."""
+        """Allocate the mailbox (collective), bind the programs, warm up (collective)."""
         nbytes = mailbox_elements(self.tp, self.capacity, self.hidden_size) * 2
         free, _ = torch.cuda.mem_get_info(self.device)
         if nbytes > free:
@@ -149,150 +179,263 @@ class LamportOp:
         self._order.own(self.mailbox.stage_state, self.mailbox.destinations)
         if self.group.kind == "none":
             self._order.own(self.mailbox.memory)  # a loopback group owns its ranks' mailboxes
-        publish_fixed = dict(
-            stage_state=self.mailbox.stage_state,
-            destinations=self.mailbox.destinations,
-            rank=self.rank,
-            capacity=self.capacity,
-            token_check=int(self.spin.checks_token_counts),
-        )
-        self._publish = self._bind(self._publish_kernel, publish_fixed)
-        self._finalize = {
-            dtype: self._bind(
-                kernel,
-                dict(publish_fixed, check_routes=int(self.check_routes), error_flag=self.spin.address),
-            )
-            for dtype, kernel in self._finalize_kernels.items()
-        }
-        self._bind_collectives()
+        self._programs = self._build_programs()
         with torch.cuda.device(self.device):
             self.group.complete_construction(self)
         LOG.info("built %s", self)
 
-    def _bind(self, compiled: CompiledKernel, fixed: dict[str, Any]) -> BoundKernel:
-        return BoundKernel(compiled.function, compiled.kernel.signature(), fixed, self.device)
+    # ---------------------------------------------------------------- the calls
+    def _collect_rules(self) -> tuple[Rule, ...]:
+        """The collective's per-call parameters (after the publish input), in check order."""
+        raise NotImplementedError
 
-    def _collective_fixed(self) -> dict[str, Any]:
+    def _output_rules(self) -> tuple[TensorRule, ...]:
+        """The outputs, in the order a call returns them."""
+        raise NotImplementedError
+
+    def _collect_launches(self, *, direct: bool, prefetch: Source) -> list[Launch]:
+        """The collective's launches. ``direct``: tp = 1, the collective reads the parameter ``x``."""
+        raise NotImplementedError
+
+    def _side(self) -> tuple[int, int]:
+        """(side stream, fork event) raw handles of an op with side-stream work, else (0, 0)."""
+        return 0, 0
+
+    def _x_rules(self) -> tuple[Rule, ...]:
+        return (tensor("x", (M, self.hidden_size), dtype=torch.bfloat16),)
+
+    def _moe_rules(self, dtypes: Sequence[torch.dtype]) -> tuple[Rule, ...]:
+        hidden, top_k = self.hidden_size, self.top_k
+        return (
+            tensor("shared_output", (M, hidden), dtype=torch.bfloat16),
+            tensor("gemm2_permuted", (ROWS, hidden), dtype=torch.bfloat16),
+            tensor("expert_weights", (M, top_k), dtype=dtypes, align=0),
+            tensor("expanded_idx_to_permuted_idx", (M, top_k), dtype=torch.int32, align=4),
+        )
+
+    def _publish_fixed(self) -> dict[str, Source]:
+        assert self.mailbox is not None
+        return dict(
+            stage_state=Fixed(self.mailbox.stage_state),
+            destinations=Fixed(self.mailbox.destinations),
+            rank=Fixed(self.rank),
+            capacity=Fixed(self.capacity),
+            token_check=Fixed(int(self.spin.checks_token_counts)),
+            m=DIM_M,
+        )
+
+    def _collective_fixed(self) -> dict[str, Source]:
         """Persistent arguments of every collective kernel (``collective.mailbox_params``)."""
         assert self.mailbox is not None
         return dict(
-            mailbox=self.mailbox.buffer,
-            stage_state=self.mailbox.stage_state,
-            capacity=self.capacity,
-            spin_limit_ns=self.spin.limit_ns,
-            error_flag=self.spin.address,
+            mailbox=Fixed(self.mailbox.buffer),
+            stage_state=Fixed(self.mailbox.stage_state),
+            capacity=Fixed(self.capacity),
+            spin_limit_ns=Fixed(self.spin.limit_ns),
+            error_flag=Fixed(self.spin.address),
+            m=DIM_M,
         )
 
-    def _bind_collectives(self) -> None:
-        raise NotImplementedError
+    def _build_programs(self) -> Programs:
+        side_stream, fork_event = self._side()
 
-    def _warmup_collects(self) -> Sequence[Callable[[bool], Any]]:
-        """One M = 1 collect per collective kernel, for the warm-up."""
-        raise NotImplementedError
-
-    def warmup_rounds(self) -> list[Plan]:
-        """Rounds that launch every publish and every collective kernel at least once: what the
-        op's group drives at construction (every rank's publish, then every rank's collective),
-        so that no kernel is launched for the first time behind a spinning one."""
-        hidden, device = self.hidden_size, self.device
-        publishes: list[Callable[[], None]] = []
-        x = torch.zeros(1, hidden, dtype=torch.bfloat16, device=device)
-        publishes.append(lambda: self._publish(x=x, m=1))
-        for dtype, bound in self._finalize.items():
-            moe = MoEOutput(
-                gemm2_permuted=torch.zeros(1, hidden, dtype=torch.bfloat16, device=device),
-                expert_weights=torch.zeros(1, self.top_k, dtype=dtype, device=device),
-                expanded_idx_to_permuted_idx=torch.full((1, self.top_k), -1, dtype=torch.int32, device=device),
-                shared_output=torch.zeros(1, hidden, dtype=torch.bfloat16, device=device),
+        def program(rules: tuple[Rule, ...], outputs: tuple[TensorRule, ...], launches: list[Launch]) -> Program:
+            return Program(
+                rules, outputs, launches, self.device, self.capacity, side_stream, fork_event, self._order.done_handle
             )
-            publishes.append(functools.partial(self._launch_finalize, bound, moe, 1))
-        collects = list(self._warmup_collects())
-        rounds = max(len(publishes), len(collects))
-        return [Plan(1, publishes[i % len(publishes)], collects[i % len(collects)]) for i in range(rounds)]
 
-    # -------------------------------------------------------------- validation
-    def _checked(self, values: tuple[Any, ...], check: Callable[[], object]) -> None:
-        """Run ``check`` (every check of one call's arguments; it raises before any launch) unless
-        arguments with the same key (``argument_key``: every property checked) passed it before."""
-        key = argument_key(*values)
-        try:
-            seen = key in self._validated
-        except TypeError:  # an unhashable argument: the checks say what is wrong with it
-            check()
-            return
-        if not seen:
-            check()
-            self._validated.add(key)
-
-    # -------------------------------------------------------------- publishing
-    def _prepare_publish(self, x: torch.Tensor | MoEOutput) -> tuple[int, Callable[[], None]]:
-        """Validate a publish input; return M and the launch."""
-        m = self._check_publish(x)
-        return m, self._publish_launch(x, m)
-
-    def _check_publish(self, x: torch.Tensor | MoEOutput) -> int:
-        """Every check of a publish input; M."""
-        if isinstance(x, MoEOutput):
-            return self._check_finalize(x)
-        m = check_token_count("x", leading_extent("x", x), self.capacity)
-        check_tensor("x", x, shape=(m, self.hidden_size), dtype=torch.bfloat16, device=self.device)
-        return m
-
-    def _publish_launch(self, x: torch.Tensor | MoEOutput, m: int) -> Callable[[], None]:
-        """The launch of a publish input already checked."""
-        if isinstance(x, MoEOutput):
-            return functools.partial(self._launch_finalize, self._finalize[x.expert_weights.dtype], x, m)
-        publish = self._publish.launch
-        return lambda: publish(x=x, m=m)
-
-    def _plan_checked(self, x: torch.Tensor | MoEOutput, *collect_args: Any) -> Plan:
-        """The plan of a call whose arguments passed every check. At tp = 1 a plain call has nothing
-        to all-reduce: the collective reads x itself and no publish is launched."""
-        if isinstance(x, MoEOutput):
-            m = x.shared_output.shape[0]
+        fixed = self._publish_fixed()
+        publish = Launch(
+            [self._publish_kernel.function],
+            self._publish_kernel.kernel.signature(),
+            dict(fixed, x=Pointer("x")),
+        )
+        finalize = {
+            dtype: Launch(
+                [kernel.function],
+                kernel.kernel.signature(),
+                dict(
+                    fixed,
+                    gemm2=Pointer("gemm2_permuted"),
+                    weights=Pointer("expert_weights"),
+                    index=Pointer("expanded_idx_to_permuted_idx"),
+                    shared=Pointer("shared_output"),
+                    rows=DIM_ROWS,
+                    check_routes=Fixed(int(self.check_routes)),
+                    error_flag=Fixed(self.spin.address),
+                ),
+            )
+            for dtype, kernel in self._finalize_kernels.items()
+        }
+        x, collect, outputs = self._x_rules(), self._collect_rules(), self._output_rules()
+        after_publish = self._collect_launches(direct=False, prefetch=Fixed(1))
+        if self.tp == 1 and self.reads_x:  # nothing to all-reduce: one launch, the collective reads x
+            call = program(x + collect, outputs, self._collect_launches(direct=True, prefetch=Fixed(0)))
         else:
-            m = x.shape[0]
-            if self.tp == 1:
-                return Plan(m, _no_publish, self._collect_launch(m, *collect_args, x=x))
-        return Plan(m, self._publish_launch(x, m), self._collect_launch(m, *collect_args))
+            call = program(x + collect, outputs, [publish, *after_publish])
+        return Programs(
+            call=call,
+            call_moe={
+                dtype: program(self._moe_rules((dtype,)) + collect, outputs, [launch, *after_publish])
+                for dtype, launch in finalize.items()
+            },
+            publish=program(x, (), [publish]),
+            publish_moe={dtype: program(self._moe_rules((dtype,)), (), [launch]) for dtype, launch in finalize.items()},
+            collect=program(collect, outputs, self._collect_launches(direct=False, prefetch=AFTER_PUBLISH)),
+            moe_rules=self._moe_rules(self.weight_dtypes) + collect,
+        )
 
-    def _check_finalize(self, moe: MoEOutput) -> int:
+    def _publish_input(
+        self, x: object, moe_programs: dict[torch.dtype, Program], plain: Program
+    ) -> tuple[Program, tuple]:
+        """The program for a publish input (a tensor, or a ``MoEOutput`` by its weights' dtype)
+        and the values it takes."""
+        if not isinstance(x, MoEOutput):
+            return plain, (x,)
+        values = tuple(getattr(x, name) for name in MOE_FIELDS)
+        return self._moe_program(moe_programs, x.expert_weights, values), values
+
+    def _moe_program(self, programs: dict[torch.dtype, Program], weights: object, values: tuple) -> Program:
+        """The program for MoE input with routing weights ``weights`` (a clear error for any other)."""
         if not self.top_k:
             raise TypeError("x: this op was built with top_k = 0 and cannot take a MoEOutput")
-        hidden, top_k, device = self.hidden_size, self.top_k, self.device
-        shared = moe.shared_output
-        m = check_token_count("shared_output", leading_extent("shared_output", shared), self.capacity)
-        check_tensor("shared_output", shared, shape=(m, hidden), dtype=torch.bfloat16, device=device)
-        rows = leading_extent("gemm2_permuted", moe.gemm2_permuted)
-        check_tensor("gemm2_permuted", moe.gemm2_permuted, shape=(rows, hidden), dtype=torch.bfloat16, device=device)
-        weights = moe.expert_weights
-        check_tensor(
-            "expert_weights",
-            weights,
-            shape=(m, top_k),
-            dtype=self.weight_dtypes,
-            device=device,
-            align=weights.element_size() if isinstance(weights, torch.Tensor) else 4,
-        )
-        check_tensor(
-            "expanded_idx_to_permuted_idx",
-            moe.expanded_idx_to_permuted_idx,
-            shape=(m, top_k),
-            dtype=torch.int32,
-            device=device,
-            align=4,
-        )
-        return m
+        program = programs.get(getattr(weights, "dtype", None))
+        if program is None:  # an unaccepted dtype (or no tensor): the rules say which
+            self._explain(next(iter(programs.values())), values, rules=self._programs.moe_rules[: len(MOE_FIELDS)])
+        return program
 
-    def _launch_finalize(self, bound: BoundKernel, moe: MoEOutput, m: int) -> None:
-        bound.launch(
-            gemm2=moe.gemm2_permuted,
-            weights=moe.expert_weights,
-            index=moe.expanded_idx_to_permuted_idx,
-            shared=moe.shared_output,
-            rows=moe.gemm2_permuted.shape[0],
-            m=m,
-        )
+    def _explain(
+        self,
+        program: Program,
+        values: Sequence[object],
+        m: int | None = None,
+        outputs: Sequence[object] | None = None,
+        *,
+        rules: Sequence[Rule] | None = None,
+        error: BaseException | None = None,
+    ) -> NoReturn:
+        """Raise the precise error of a call the native program rejected (or whose outputs could not
+        be allocated): the rules run in Python; if they all pass, ``error`` stands as it is."""
+        try:
+            check_call(
+                program.rules if rules is None else rules, values, capacity=self.capacity, device=self.device,
+                m=m, outputs=program.outputs, out=outputs,
+            )  # fmt: skip
+        except (TypeError, ValueError) as precise:
+            raise precise.with_traceback(None) from None
+        if error is not None:
+            raise error
+        raise AssertionError("a rejected call whose arguments pass every rule")
+
+    @staticmethod
+    def _outputs(out: Any, program: Program) -> tuple:
+        """The caller's outputs, as many as the program writes (a clear error otherwise)."""
+        count = len(program.outputs)
+        if count <= 1:
+            return (out,) if count else ()
+        if not isinstance(out, (tuple, list)) or len(out) != count:
+            names = ", ".join(rule.name.split(" ")[-1].strip("()") for rule in program.outputs)
+            raise TypeError(f"out: expected a ({names}) tuple of {count} tensors")
+        return tuple(out)
+
+    def _allocate(self, like: Any, values: tuple, m: int) -> tuple[torch.Tensor, ...]:
+        """New outputs for a call whose publish input is ``like`` (x or the MoE shared output; None
+        for a collect, then M is ``m``) and whose collect values are ``values``. Allocated by torch
+        (``empty_like`` of an input of the same shape and dtype where there is one: the cheapest
+        allocation torch offers from Python), so they are ordinary torch tensors."""
+        raise NotImplementedError
+
+    def _returns(self, outputs: tuple[torch.Tensor, ...]) -> Any:
+        """What a call returns, given its outputs (the all-reduce returns its one tensor)."""
+        return outputs
+
+    def _events(self, capture: int) -> tuple[int, int]:
+        """(join event, side event) of a program with a side launch (``Program.has_side``)."""
+        raise NotImplementedError
+
+    def _launched(self, capture: int, values: Sequence[object], outputs: Sequence[torch.Tensor]) -> None:
+        """After a program's side launch: keep what the side kernel uses until it is joined."""
+        raise NotImplementedError
+
+    def _run(
+        self,
+        program: Program,
+        values: tuple,
+        out: Any,
+        *,
+        like: Any = None,
+        collect: tuple = (),
+        m: int = -1,
+        flags: int = 0,
+        variant: int = -1,
+        capture: int = 0,
+        rules: Sequence[Rule] | None = None,
+    ) -> Any:
+        """One program call on the current stream: outputs allocated (unless given), every argument
+        checked, then the launches (nothing launched on bad input); the outputs, or M for a program
+        without any. ``collect``: the collect values among ``values`` (what outputs are shaped by)."""
+        if not program.outputs:
+            outputs: tuple = ()
+        elif out is None:
+            try:
+                outputs = self._allocate(like, collect, m)
+            except Exception as error:  # bad inputs: the rules say which, with the project's message
+                self._explain(program, values, None if m < 0 else m, rules=rules, error=error)
+        else:
+            outputs = self._outputs(out, program)
+        join, side = self._events(capture) if program.has_side else (0, 0)
+        if not capture:
+            flags |= RECORD_DONE
+        try:
+            m = program.native(flags, m, variant, join, side, *values, *outputs)
+        except (TypeError, ValueError) as error:
+            given = outputs if out is not None else None
+            self._explain(program, values, None if m < 0 else m, given, rules=rules, error=error)
+        if program.has_side:
+            self._launched(capture, values, outputs)
+        return outputs if program.outputs else m
+
+    def _check(self, program: Program, values: tuple, out: Any, *, m: int = -1, rules: Any = None) -> int:
+        """Validate a program's values (and ``out``) without launching; M."""
+        outputs = program.no_outputs if out is None else self._outputs(out, program)
+        try:
+            return int(program.native(CHECK_ONLY, m, -1, 0, 0, *values, *outputs))
+        except (TypeError, ValueError) as error:
+            given = outputs if out is not None else None
+            self._explain(program, values, None if m < 0 else m, given, rules=rules, error=error)
+
+    def _call(self, x: object, values: tuple, out: Any) -> Any:
+        """One eager call (``__call__``) with a publish input ``x``: the hot path."""
+        if self._closed or not self._peers_ready:
+            self._check_usable()
+        if type(x) is torch.Tensor or not isinstance(x, MoEOutput):
+            return self._launch_call(self._programs.call, (x, *values), x, values, out, None)
+        fields = (x.shared_output, x.gemm2_permuted, x.expert_weights, x.expanded_idx_to_permuted_idx)
+        return self._call_moe(fields, values, out)
+
+    def _call_moe(self, fields: tuple, values: tuple, out: Any) -> Any:
+        """One eager call with MoE input: ``fields`` in ``MOE_FIELDS`` order."""
+        if self._closed or not self._peers_ready:
+            self._check_usable()
+        programs = self._programs
+        program = self._moe_program(programs.call_moe, fields[2], fields)
+        return self._launch_call(program, fields + values, fields[0], values, out, programs.moe_rules)
+
+    def _launch_call(self, program: Program, values: tuple, like: Any, collect: tuple, out: Any, rules: Any) -> Any:
+        self.spin.check()
+        if self._pending_m is not None:
+            raise RuntimeError("a publish() is pending; call collect() first")
+        order = self._order
+        capture = order.begin()
+        try:
+            outputs = self._run(
+                program, values, out, like=like, collect=collect, flags=AFTER_PUBLISH_FLAG, capture=capture, rules=rules
+            )
+        except BaseException:
+            order.cancel()
+            raise
+        order.end()
+        return outputs
 
     # --------------------------------------------------------------- public API
     @property
@@ -322,11 +465,11 @@ class LamportOp:
         self._closed = True
         self._release()
 
-    #: Attributes holding device memory (or kernels bound to it, or streams recorded on it) that
+    #: Attributes holding device memory (or programs bound to it, or streams recorded on it) that
     #: ``close()`` drops.
     _device_state: tuple[str, ...] = (
-        "mailbox", "_publish", "_finalize", "_collective", "_boundaries", "_mixes", "_mixes_handoff",
-        "_raw_mixes", "_arrivals", "_order",
+        "mailbox", "_programs", "_publish_kernel", "_finalize_kernels", "_mixes_handoff", "_raw_mixes",
+        "_arrivals", "_order", "_side_work",
     )  # fmt: skip
 
     def _release(self) -> None:
@@ -355,66 +498,115 @@ class LamportOp:
                 f"loopback rank {self.rank}: this op is unusable until every rank of its LoopbackGroup "
                 f"has built the same op; ranks {missing} have not"
             )
+        self._peers_ready = True  # ranks never leave a group: no need to ask again
 
     def publish(self, x: torch.Tensor | MoEOutput) -> None:
         """Phase one: publish this rank's partial (or MoE output) for the next ``collect``."""
         self._check_usable()
         if self._pending_m is not None:
             raise RuntimeError("publish(): a previous publish() has not been collected yet; call collect() first")
-        m, launch = self._prepare_publish(x)
-        self._order.begin()
-        launch()
-        self._pending_m = m
+        programs = self._programs
+        program, values = self._publish_input(x, programs.publish_moe, programs.publish)
+        rules = programs.moe_rules[: len(MOE_FIELDS)] if isinstance(x, MoEOutput) else None
+        capture = self._order.begin()
+        try:
+            self._pending_m = int(self._run(program, values, None, capture=capture, rules=rules))
+        except BaseException:
+            self._order.cancel()
+            raise
 
-    def _collect_pending(self, prepare: Callable[[int], Callable[[bool], Any]], after_publish: bool) -> Any:
-        """Validate a collect for the pending publish's M, then launch it."""
+    def _collect_pending(self, values: tuple, out: Any, after_publish: bool) -> Any:
+        """Validate and launch the collective for the pending publish's M."""
         self._check_usable()
         if self._pending_m is None:
             raise RuntimeError("collect(): no publish() is pending; the collective would wait forever")
-        collect = prepare(self._pending_m)
-        self._pending_m = None
-        result = collect(after_publish)
+        flags = AFTER_PUBLISH_FLAG if after_publish else 0
+        outputs = self._run(
+            self._programs.collect, values, out, collect=values, m=self._pending_m, flags=flags,
+            capture=self._order.capture,
+        )  # fmt: skip
+        self._pending_m = None  # only now: a rejected collect leaves the publish pending, to collect again
         self._order.end()
-        return result
+        return self._returns(outputs)
+
+    def _plan_values(self, method: str, *args: Any, **kwargs: Any) -> tuple[object, tuple, Any]:
+        """(publish input, collect values, out) of a ``method`` call's arguments."""
+        raise NotImplementedError
 
     def plan(self, method: str, *args: Any, **kwargs: Any) -> Plan:
-        """Validate one ``method`` call ("call" or "finalize") without launching anything."""
-        planner = getattr(self, f"_plan_{method}", None)
-        if planner is None:
+        """Validate one ``method`` call ("call" or "finalize") without launching anything: its
+        publish and its collect, launched by the returned plan (``run_ranks``)."""
+        if method not in ("call", "finalize"):
             raise ValueError(f"method: expected 'call' or 'finalize', got {method!r}")
         self._check_usable()
         if self._pending_m is not None:
             raise RuntimeError(f"{method}: a publish() is pending; call collect() first")
-        inner = planner(*args, **kwargs)
+        x, values, out = self._plan_values(method, *args, **kwargs)
+        programs = self._programs
+        if self.tp == 1 and self.reads_x and type(x) is torch.Tensor:  # the direct path: one launch
+            m = self._check(programs.call, (x, *values), out)
+            return self._plan(m, None, dict(program=programs.call, values=(x, *values), like=x, m=-1), values, out)
+        moe_rules = programs.moe_rules[: len(MOE_FIELDS)] if isinstance(x, MoEOutput) else None
+        publish, inputs = self._publish_input(x, programs.publish_moe, programs.publish)
+        m = self._check(publish, inputs, None, rules=moe_rules)
+        self._check(programs.collect, values, out, m=m)
+        return self._plan(m, (publish, inputs), dict(program=programs.collect, values=values, m=m), values, out)
+
+    def _plan(self, m: int, publish: tuple | None, collect: dict[str, Any], values: tuple, out: Any) -> Plan:
         order = self._order
 
-        def publish() -> None:
-            order.begin()
-            inner.publish()
+        def run_publish() -> None:
+            capture = order.begin()
+            if publish is not None:
+                self._run(*publish, None, capture=capture)
 
-        def collect(after_publish: bool) -> Any:
-            result = inner.collect(after_publish)
+        def run_collect(after_publish: bool) -> Any:
+            flags = AFTER_PUBLISH_FLAG if after_publish else 0
+            outputs = self._run(
+                collect["program"], collect["values"], out, like=collect.get("like"), collect=values,
+                m=collect["m"], flags=flags, capture=order.capture,
+            )  # fmt: skip
             order.end()
-            return result
+            return self._returns(outputs)
 
-        return Plan(inner.m, publish, collect)
+        return Plan(m, run_publish, run_collect)
 
-    def _run(self, plan: Plan) -> Any:
-        plan.publish()
-        return plan.collect(True)
+    # ---------------------------------------------------------------- warm-up
+    def _warmup_collects(self) -> Sequence[tuple[tuple, int]]:
+        """``(collect values, variant)`` at M = 1 for each collective kernel, for the warm-up."""
+        raise NotImplementedError
 
-    def _call(self, planner: Callable[..., Plan], *args: Any, **kwargs: Any) -> Any:
-        """One eager call: ``plan`` and ``_run`` without the plan's ordering wrappers (the hot path)."""
-        self._check_usable()
-        if self._pending_m is not None:
-            raise RuntimeError("a publish() is pending; call collect() first")
-        inner = planner(*args, **kwargs)
-        order = self._order
-        order.begin()
-        inner.publish()
-        result = inner.collect(True)
-        order.end()
-        return result
+    def warmup_rounds(self) -> list[Plan]:
+        """Rounds that launch every publish and every collective kernel at least once: what the
+        op's group drives at construction (every rank's publish, then every rank's collective),
+        so that no kernel is launched for the first time behind a spinning one."""
+        hidden, device, programs = self.hidden_size, self.device, self._programs
+        publishes: list[tuple[Program, tuple]] = [
+            (programs.publish, (torch.zeros(1, hidden, dtype=torch.bfloat16, device=device),))
+        ]
+        for dtype, program in programs.publish_moe.items():
+            moe = (
+                torch.zeros(1, hidden, dtype=torch.bfloat16, device=device),
+                torch.zeros(1, hidden, dtype=torch.bfloat16, device=device),
+                torch.zeros(1, self.top_k, dtype=dtype, device=device),
+                torch.full((1, self.top_k), -1, dtype=torch.int32, device=device),
+            )
+            publishes.append((program, moe))
+        collects = list(self._warmup_collects())
+        rounds = max(len(publishes), len(collects))
+
+        def launcher(publish: tuple[Program, tuple], collect: tuple[tuple, int]) -> Plan:
+            def run_publish() -> None:
+                self._run(*publish, None)
+
+            def run_collect(after_publish: bool) -> Any:
+                values, variant = collect
+                flags = AFTER_PUBLISH_FLAG if after_publish else 0
+                return self._run(programs.collect, values, None, collect=values, m=1, flags=flags, variant=variant)
+
+            return Plan(1, run_publish, run_collect)
+
+        return [launcher(publishes[i % len(publishes)], collects[i % len(collects)]) for i in range(rounds)]
 
     def _describe(self) -> str:
         return (
@@ -425,12 +617,3 @@ class LamportOp:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._describe()})"
-
-
-def optional_output(
-    name: str, out: torch.Tensor | None, shape: Sequence[int], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """A caller's preallocated output, checked, or a new one."""
-    if out is None:
-        return torch.empty(tuple(shape), dtype=dtype, device=device)
-    return check_tensor(name, out, shape=tuple(shape), dtype=dtype, device=device)

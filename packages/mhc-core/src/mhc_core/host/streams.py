@@ -53,7 +53,12 @@ class _Recorded:
 
 
 class CallOrder:
-    """The device order of one op's calls (see the module docstring)."""
+    """The device order of one op's calls (see the module docstring).
+
+    The eager fast path costs two host queries: a call on the stream of the op's previous eager
+    call, not capturing, orders nothing. The native program records ``done_handle`` at the end of
+    every eager call (``mhc_core.host.programs.RECORD_DONE``); a call on another stream waits for it.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -62,7 +67,10 @@ class CallOrder:
         self._owned: list[torch.Tensor] = []
         self._streams: set[int] = set()
         self._eager_event = torch.cuda.Event(external=True)
-        self._eager: _Recorded | None = None
+        self._eager_event.record(torch.cuda.current_stream(device))  # creates it: its handle exists
+        #: The raw handle native programs record at the end of an eager call.
+        self.done_handle: int = self._eager_event.cuda_event
+        self._eager: torch.cuda.Stream | None = None
         self._eager_handle = 0
         self._captured: _Recorded | None = None
         self._index = device.index if device.index is not None else torch.cuda.current_device()
@@ -79,56 +87,75 @@ class CallOrder:
         is that one (torch's ``current_stream`` costs microseconds)."""
         eager = self._eager
         if eager is not None and not _is_capturing() and current_stream_handle(self._index) == self._eager_handle:
-            return eager.stream, 0
+            return eager, 0
         stream = torch.cuda.current_stream(self.device)
         return stream, current_capture(stream)
 
-    def begin(self) -> torch.cuda.Stream:
-        """Before a call's first launch: order it after the previous call; returns the stream."""
+    def begin(self) -> int:
+        """Before a call's first launch: order it after the previous call; returns the capture id
+        (0: eager)."""
         self.in_call = True
-        stream, capture = self.current()
-        if self._eager is not None and stream is self._eager.stream:
+        if self._eager_handle and current_stream_handle(self._index) == self._eager_handle and not _is_capturing():
             # The common eager case, a call on the stream of the previous one: nothing to order.
-            self.stream, self.capture = stream, 0
-            return stream
-        previous = self._captured if capture and self._captured and self._captured.capture == capture else None
-        if previous is None:
-            previous = self._eager
-        if previous is not None and previous.stream != stream:
-            stream.wait_event(previous.event)
-        if not capture and stream.cuda_stream not in self._streams:
-            self._streams.add(stream.cuda_stream)
-            for tensor in self._owned:
-                tensor.record_stream(stream)
+            self.stream, self.capture = self._eager, 0
+            return 0
+        stream, capture = self.current()
+        captured = self._captured
+        if capture and captured is not None and captured.capture == capture:
+            if captured.stream != stream:
+                stream.wait_event(captured.event)  # an edge within the capture
+        elif self._eager is not None and self._eager != stream:
+            # Inside a capture: an external event-wait node (the event was recorded outside).
+            stream.wait_event(self._eager_event)
+        if not capture:
+            if stream.cuda_stream not in self._streams:
+                self._streams.add(stream.cuda_stream)
+                for tensor in self._owned:
+                    tensor.record_stream(stream)
+            self._eager, self._eager_handle = stream, stream.cuda_stream
         self.stream, self.capture = stream, capture
-        return stream
+        return capture
 
     def end(self) -> None:
-        """After a call's last launch on its stream."""
-        stream, capture = self.stream, self.capture
-        assert stream is not None, "CallOrder.end() without begin()"
+        """After a call's last launch on its stream (an eager call's native program recorded the
+        done event; a captured call's is recorded here, a fresh one per call)."""
         self.in_call = False
-        if capture:
+        if self.capture:
+            assert self.stream is not None, "CallOrder.end() without begin()"
             event = torch.cuda.Event()
-            event.record(stream)
-            self._captured = _Recorded(stream, event, capture)
-            return
-        self._eager_event.record(stream)
-        if self._eager is None or self._eager.stream != stream:
-            self._eager = _Recorded(stream, self._eager_event)
-            self._eager_handle = stream.cuda_stream
+            event.record(self.stream)
+            self._captured = _Recorded(self.stream, event, self.capture)
+
+    def cancel(self) -> None:
+        """A call that launched nothing (its arguments were rejected)."""
+        self.in_call = False
 
 
 class SideWork:
-    """A side stream an op forks work onto, and the joins back (see the module docstring)."""
+    """A side stream an op forks work onto, and the joins back (see the module docstring).
+
+    Eager calls hand the native program the events to use (``native_events``): it waits for the
+    previous side work, forks and records the side event itself. Inside a capture the joins and
+    records are made here, with a fresh event per call.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.stream = torch.cuda.Stream(device)
-        #: The raw handle of ``stream``, for launches onto it (``BoundKernel(stream=...)``).
+        #: The raw handle of ``stream``, for launches onto it.
         self.handle: int = self.stream.cuda_stream
+        current = torch.cuda.current_stream(device)
+        # Events are created by their first record: record each once, so their handles exist.
         self._fork_event = torch.cuda.Event()
+        self._fork_event.record(current)
         self._eager_event = torch.cuda.Event(external=True)
+        self._eager_event.record(self.stream)
+        #: Raw handles the native program records and waits on.
+        self.fork_handle: int = self._fork_event.cuda_event
+        self.eager_handle: int = self._eager_event.cuda_event
         self._eager_pending = False
+        # The last eager side launch's tensors, kept until the work is joined (their memory then
+        # goes back to the current stream, whose later work follows the join).
+        self._eager_held: tuple[torch.Tensor, ...] = ()
         self._captured: _Recorded | None = None
 
     def own(self, *tensors: torch.Tensor) -> None:
@@ -141,11 +168,16 @@ class SideWork:
         """Nothing forked since the last join: a join has nothing to wait for."""
         return not self._eager_pending and self._captured is None
 
-    def fork(self, stream: torch.cuda.Stream) -> None:
-        """The side stream waits for what ``stream`` has enqueued so far (one event, reused: each
-        wait takes the record before it, eager or captured)."""
-        self._fork_event.record(stream)
-        self.stream.wait_event(self._fork_event)
+    def native_events(self, stream: torch.cuda.Stream | None, capture: int) -> tuple[int, int]:
+        """(join event, side event) for a call's native program: eager, the pending side work's
+        event (or 0) and the event to record; inside a capture the join happens here and the
+        program gets (0, 0)."""
+        if capture:
+            assert stream is not None
+            self.join(stream, capture)
+            return 0, 0
+        self._captured = None  # a capture that never joined its side work failed: nothing to wait for
+        return (self.eager_handle if self._eager_pending else 0), self.eager_handle
 
     def launched(self, capture: int, tensors: Iterable[torch.Tensor]) -> None:
         """After the side launch: remember it for the next join; keep ``tensors`` alive until then."""
@@ -154,11 +186,9 @@ class SideWork:
             event.record(self.stream)
             self._captured = _Recorded(self.stream, event, capture, list(tensors))
             return
-        for tensor in tensors:
-            tensor.record_stream(self.stream)
-        self._eager_event.record(self.stream)
+        # The native program waited for the previous side work before this launch.
+        self._eager_held = tuple(tensors)
         self._eager_pending = True
-        self._captured = None  # a capture that never joined its side work failed; nothing to wait for
 
     def join(self, stream: torch.cuda.Stream, capture: int) -> None:
         """``stream`` waits for the last side work (of this capture, or the last eager one)."""
@@ -173,3 +203,9 @@ class SideWork:
             stream.wait_event(self._eager_event)
             if not capture:
                 self._eager_pending = False
+                self._eager_held = ()
+
+    def __del__(self) -> None:
+        # Dropped with side work never joined: its tensors' memory must wait for the side stream.
+        for tensor in getattr(self, "_eager_held", ()):
+            tensor.record_stream(self.stream)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -81,49 +80,3 @@ def leading_extent(name: str, tensor: object) -> int:
     if tensor.dim() == 0:
         raise ValueError(f"{name}: expected at least one dimension (M, ...), got a scalar")
     return int(tensor.shape[0])
-
-
-#: Values that enter a key as themselves (the common non-tensor arguments: eps, None, names).
-_PLAIN = frozenset({int, float, bool, str, type(None)})
-
-
-def _argument_key(value: object) -> object:
-    kind = type(value)
-    if kind in _PLAIN:
-        return (kind, value)
-    if isinstance(value, torch.Tensor):
-        # Everything check_tensor reads: dtype, shape, device, contiguity and the pointer's
-        # alignment (its low bits: every alignment checked is <= 16 bytes).
-        return (value.dtype, value.shape, value.device, value.is_contiguous(), value.data_ptr() & 15)
-    if isinstance(value, (tuple, list)):
-        return (type(value), *map(_argument_key, value))
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return (type(value), *(_argument_key(getattr(value, f.name)) for f in dataclasses.fields(value)))
-    return (type(value), value)
-
-
-def argument_key(*values: object) -> tuple[object, ...]:
-    """A key of every property the argument checks read, for ``ValidatedCalls``. Never a data
-    pointer alone: the allocator hands a freed tensor's address to the next tensor, which may
-    have any shape or dtype. Scalars enter by type and value; tuples, lists and dataclasses
-    (``MoEOutput``) by their items."""
-    return tuple(map(_argument_key, values))
-
-
-class ValidatedCalls:
-    """The argument keys (``argument_key``) an op has validated completely: a call with a key seen
-    before skips the checks, any other runs them all (and raises before any launch)."""
-
-    #: Distinct keys kept; then the set starts over (an engine sees a few per batch size).
-    LIMIT = 4096
-
-    def __init__(self) -> None:
-        self._keys: set[tuple[object, ...]] = set()
-
-    def __contains__(self, key: tuple[object, ...]) -> bool:
-        return key in self._keys
-
-    def add(self, key: tuple[object, ...]) -> None:
-        if len(self._keys) >= self.LIMIT:
-            self._keys.clear()
-        self._keys.add(key)

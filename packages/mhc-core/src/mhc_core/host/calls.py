@@ -1,0 +1,104 @@
+"""The per-call parameters of a fused op, declared once: checked in C++ on every call (the native
+executor, ``mhc_core.host.native``), and here, in Python, for the message when a call fails.
+
+A parameter is a ``TensorRule`` (accepted dtypes and shapes; a shape names the token count ``M``
+and the MoE expert output's ``ROWS`` where they vary) or a ``ScalarRule`` (a finite float > 0).
+The first tensor whose leading extent is ``M`` binds it (and must hold ``1 <= M <=
+max_num_tokens``); every later ``M`` must equal it. Outputs are ``TensorRule``s too: allocated
+from their first shape and dtype, or, when the caller passes them, checked like the inputs.
+
+``check_call`` runs the rules in order and raises the first failure with the argument's name,
+what was expected and what came (``mhc_core.host.validation``'s messages).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .validation import check_positive_float, check_tensor, check_token_count, leading_extent
+
+#: Shape entries that vary per call.
+M = "M"
+ROWS = "rows"
+
+Dim = int | str
+
+
+@dataclass(frozen=True)
+class TensorRule:
+    """A tensor parameter: one of ``dtypes``, one of ``shapes``, contiguous, on the op's device,
+    its data pointer aligned to ``align`` bytes (0: its element size)."""
+
+    name: str
+    shapes: tuple[tuple[Dim, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+    align: int = 16
+
+    @property
+    def binds_m(self) -> bool:
+        return bool(self.shapes[0]) and self.shapes[0][0] == M
+
+    @property
+    def binds_rows(self) -> bool:
+        return bool(self.shapes[0]) and self.shapes[0][0] == ROWS
+
+
+@dataclass(frozen=True)
+class ScalarRule:
+    """A float parameter: finite and > 0 (an int is taken as a float)."""
+
+    name: str
+
+
+Rule = TensorRule | ScalarRule
+
+
+def tensor(
+    name: str, *shapes: tuple[Dim, ...], dtype: torch.dtype | Sequence[torch.dtype], align: int = 16
+) -> TensorRule:
+    """A ``TensorRule`` with one or more accepted shapes."""
+    dtypes = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
+    return TensorRule(name, tuple(shapes), dtypes, align)
+
+
+def _resolved(shape: tuple[Dim, ...], m: int, rows: int) -> tuple[int, ...]:
+    return tuple(m if dim == M else rows if dim == ROWS else int(dim) for dim in shape)
+
+
+def check_call(
+    rules: Sequence[Rule],
+    values: Sequence[object],
+    *,
+    capacity: int,
+    device: torch.device,
+    m: int | None = None,
+    outputs: Sequence[TensorRule] = (),
+    out: Sequence[object] | None = None,
+) -> int:
+    """Check ``values`` against ``rules`` (and ``out`` against ``outputs``); the token count M.
+    ``m``: the pending publish's M (a collect), which the parameters must match."""
+    rows = -1
+    for rule, value in zip(rules, values, strict=True):
+        if isinstance(rule, ScalarRule):
+            check_positive_float(rule.name, value)
+            continue
+        if rule.binds_m and m is None:
+            m = check_token_count(rule.name, leading_extent(rule.name, value), capacity)
+        if rule.binds_rows:
+            rows = leading_extent(rule.name, value)
+        shapes = [_resolved(shape, m if m is not None else -1, rows) for shape in rule.shapes]
+        check_tensor(rule.name, value, shape=shapes, dtype=rule.dtypes, device=device, align=_align(rule, value))
+    if m is None:
+        raise TypeError("no parameter gives the token count M")
+    for rule, value in zip(outputs, out or (), strict=False):
+        check_tensor(rule.name, value, shape=_resolved(rule.shapes[0], m, rows), dtype=rule.dtypes, device=device)
+    return m
+
+
+def _align(rule: TensorRule, value: object) -> int:
+    if rule.align:
+        return rule.align
+    return value.element_size() if isinstance(value, torch.Tensor) else 4
