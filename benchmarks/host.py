@@ -82,9 +82,10 @@ def _moe_args(m: int, top_k: int, hidden: int = 5120) -> tuple:
 def rows(m: int = 1) -> list[tuple[str, int, float, float, int]]:
     """``(label, tp, host us, wall us, launches)`` of every measured step."""
     from mhc_core import LoopbackGroup, run_ranks
+    from mhc_core.host.calls import M, tensor
     from mhc_core.host.compiler import compile_kernel, device_arch
     from mhc_core.host.launch import BoundKernel, current_stream_handle
-    from mhc_core.host.programs import Fixed, Launch, Program
+    from mhc_core.host.programs import Launch, Pointer, Program
     from mhc_dsv41 import AllReduceMHC
     from mhc_glm5 import AllReduceMhcBoundary
 
@@ -96,9 +97,16 @@ def rows(m: int = 1) -> list[tuple[str, int, float, float, int]]:
     entry, address, stream = touch.function, flag.data_ptr(), current_stream_handle(device.index)
     out.append(("launch floor: bare TVM-FFI entry point", 1, *eager_us(lambda: entry(address, stream)), 1))
     out.append(("launch floor: BoundKernel", 1, *eager_us(lambda: bound(flag=flag)), 1))
-    floor = Program((), (), [Launch([entry], touch.kernel.signature(), {"flag": Fixed(flag)})], device, 1)
+    # One tensor parameter (what gives a program its stream): checked, then its pointer launched.
+    floor = Program(
+        (tensor("flag", (M,), dtype=torch.int32, align=4),),
+        (),
+        [Launch([entry], touch.kernel.signature(), {"flag": Pointer("flag")})],
+        device,
+        4,
+    )
     native = floor.native
-    out.append(("launch floor: native program", 1, *eager_us(lambda: native(flag, 0, 1, -1, 0, 0)), 1))
+    out.append(("launch floor: native program", 1, *eager_us(lambda: native(0, -1, -1, 0, 0, flag)), 1))
     x, weight = bf16(m, 4096), bf16(4096)
     out.append(("torch F.rms_norm", 1, *eager_us(lambda: torch.nn.functional.rms_norm(x, (4096,), weight, 1e-6)), 1))
     out.append(("torch x.add_(1)", 1, *eager_us(lambda: x.add_(1)), 1))

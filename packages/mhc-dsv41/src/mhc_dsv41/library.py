@@ -29,7 +29,7 @@ def dsv41_boundary(
     norm_weight: Tensor,
     norm_eps: float,
 ) -> tuple[Tensor, Tensor]:
-    return library.lookup(handle)(x, residual, post, comb, pre, norm_weight, norm_eps)
+    return library.run(handle, state, lambda op: op(x, residual, post, comb, pre, norm_weight, norm_eps))
 
 
 @dsv41_boundary.register_fake
@@ -52,9 +52,8 @@ def dsv41_finalize(
     norm_weight: Tensor,
     norm_eps: float,
 ) -> tuple[Tensor, Tensor]:
-    return library.lookup(handle).finalize(
-        gemm2_permuted, expert_weights, index, shared_output, residual, post, comb, pre, norm_weight, norm_eps
-    )
+    moe = (gemm2_permuted, expert_weights, index, shared_output)
+    return library.run(handle, state, lambda op: op.finalize(*moe, residual, post, comb, pre, norm_weight, norm_eps))
 
 
 @dsv41_finalize.register_fake
@@ -86,7 +85,7 @@ def dsv41_collect(
     norm_weight: Tensor,
     norm_eps: float,
 ) -> tuple[Tensor, Tensor]:
-    return library.lookup(handle).collect(residual, post, comb, pre, norm_weight, norm_eps)
+    return library.run(handle, state, lambda op: op.collect(residual, post, comb, pre, norm_weight, norm_eps))
 
 
 @dsv41_collect.register_fake

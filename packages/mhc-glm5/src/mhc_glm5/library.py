@@ -44,7 +44,8 @@ def glm5_boundary(
     base: Tensor,
     norm_weight: Tensor,
 ) -> tuple[Tensor, Tensor]:
-    return _fused(handle, library.lookup(handle)(x, residual, post, comb, fn, scale, base, norm_weight))
+    outputs = library.run(handle, state, lambda op: op(x, residual, post, comb, fn, scale, base, norm_weight))
+    return _fused(handle, outputs)
 
 
 @glm5_boundary.register_fake
@@ -71,7 +72,8 @@ def glm5_boundary_moe(
     from mhc_core.host.moe import MoEOutput
 
     moe = MoEOutput(gemm2_permuted, expert_weights, index, shared_output)
-    return _fused(handle, library.lookup(handle)(moe, residual, post, comb, fn, scale, base, norm_weight))
+    outputs = library.run(handle, state, lambda op: op(moe, residual, post, comb, fn, scale, base, norm_weight))
+    return _fused(handle, outputs)
 
 
 @glm5_boundary_moe.register_fake
@@ -92,7 +94,8 @@ def glm5_collect(
     base: Tensor,
     norm_weight: Tensor,
 ) -> tuple[Tensor, Tensor]:
-    return _fused(handle, library.lookup(handle).collect(residual, post, comb, fn, scale, base, norm_weight))
+    outputs = library.run(handle, state, lambda op: op.collect(residual, post, comb, fn, scale, base, norm_weight))
+    return _fused(handle, outputs)
 
 
 @glm5_collect.register_fake
@@ -103,11 +106,11 @@ def _(state, handle, residual, post, comb, fn, scale, base, norm_weight):
 @torch.library.custom_op("mhc::glm5_join", mutates_args=("state",), device_types="cuda")
 def glm5_join(state: Tensor, handle: int, residual_out: Tensor) -> tuple[Tensor, Tensor]:
     """``residual_out``: the boundary call's first output (it gives M, and orders the join after it)."""
-    op = library.lookup(handle)
     unjoined = _UNJOINED.pop(handle, None)
     if unjoined is None:
+        library.lookup(handle)  # a dead handle says so first
         raise RuntimeError(f"mhc::glm5_join: op handle {handle} has no boundary call to join")
-    op.join()
+    library.run(handle, state, lambda op: op.join())
     return unjoined
 
 

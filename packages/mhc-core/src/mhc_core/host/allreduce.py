@@ -98,7 +98,7 @@ class LamportAllReduce(LamportOp):
 
     def collect(self, *, out: torch.Tensor | None = None, after_publish: bool = False) -> torch.Tensor:
         """Phase two: the all-reduced result of the pending ``publish``."""
-        return self._returns(self._collect_pending((), out, after_publish))
+        return self._collect_pending((), out, after_publish)  # already the one tensor (_returns)
 
     def __repr__(self) -> str:
         return f"LamportAllReduce(lanes={self.lanes}, {self._describe()})"

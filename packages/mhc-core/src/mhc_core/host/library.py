@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,6 +42,19 @@ def unregister(handle: int) -> None:
     _OPS.pop(handle, None)
 
 
+def run(handle: int, state: Tensor, call: Callable[[Any], Any]) -> Any:
+    """``call(op)`` for the op behind ``handle``; then, where ``state`` is not the op's own stage
+    state (a functionalized graph, e.g. ``torch.compile(backend="aot_eager")`` or opcheck, hands the
+    op a copy and writes it back afterwards), the op's advanced state is copied into it, so the
+    write-back cannot roll the mailbox generation back."""
+    op = lookup(handle)
+    result = call(op)
+    own = op.state
+    if state.data_ptr() != own.data_ptr():
+        state.copy_(own)
+    return result
+
+
 def lookup(handle: int) -> Any:
     """The op behind ``handle``; a clear error for a handle whose op is gone or never was."""
     ref = _OPS.get(handle)
@@ -54,7 +68,7 @@ def lookup(handle: int) -> Any:
 @torch.library.custom_op("mhc::all_reduce", mutates_args=("state",), device_types="cuda")
 def all_reduce(state: Tensor, handle: int, x: Tensor) -> Tensor:
     """``LamportAllReduce.__call__``: the ``[M, hidden]`` BF16 sum of every rank's ``x``."""
-    return lookup(handle)(x)
+    return run(handle, state, lambda op: op(x))
 
 
 @all_reduce.register_fake
@@ -69,7 +83,7 @@ def all_reduce_moe(
     """``LamportAllReduce.__call__`` of an unfinalized MoE output (``mhc_core.MoEOutput``)."""
     from .moe import MoEOutput
 
-    return lookup(handle)(MoEOutput(gemm2_permuted, expert_weights, index, shared_output))
+    return run(handle, state, lambda op: op(MoEOutput(gemm2_permuted, expert_weights, index, shared_output)))
 
 
 @all_reduce_moe.register_fake
@@ -83,7 +97,7 @@ def _(
 @torch.library.custom_op("mhc::publish", mutates_args=("state",), device_types="cuda")
 def publish(state: Tensor, handle: int, x: Tensor) -> None:
     """Phase one of any op (``LamportOp.publish``); the model's collect op is phase two."""
-    lookup(handle).publish(x)
+    run(handle, state, lambda op: op.publish(x))
 
 
 @publish.register_fake
@@ -98,7 +112,7 @@ def publish_moe(
     """Phase one with an unfinalized MoE output."""
     from .moe import MoEOutput
 
-    lookup(handle).publish(MoEOutput(gemm2_permuted, expert_weights, index, shared_output))
+    run(handle, state, lambda op: op.publish(MoEOutput(gemm2_permuted, expert_weights, index, shared_output)))
 
 
 @publish_moe.register_fake
@@ -111,7 +125,7 @@ def _(
 @torch.library.custom_op("mhc::all_reduce_collect", mutates_args=("state",), device_types="cuda")
 def all_reduce_collect(state: Tensor, handle: int, like: Tensor) -> Tensor:
     """``LamportAllReduce.collect``; ``like`` is the published tensor (the result's shape)."""
-    return lookup(handle).collect()
+    return run(handle, state, lambda op: op.collect())
 
 
 @all_reduce_collect.register_fake
