@@ -1,6 +1,7 @@
 """Run the benchmarks and print their tables (``nox -s bench`` wraps this).
 
-    python3 -m benchmarks.run [--suite core dsv41 glm5 glm5-thresholds glm5-breakdown spin-bound host] [--out DIR]
+    python3 -m benchmarks.run [--suite core dsv41 glm5 glm5-thresholds glm5-breakdown glm5-overlap spin-bound host]
+                              [--out DIR]
     python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m benchmarks.run   # real tp 2
 
 Under torchrun the suites run over a real NCCL group (unicast Lamport; NVLink
@@ -32,7 +33,7 @@ for variable, value in (
 
 import torch  # noqa: E402
 
-from . import report, suites  # noqa: E402
+from . import overlap, report, suites  # noqa: E402
 from .harness import copy_bandwidth_bytes_per_us, device_description  # noqa: E402
 
 DEFAULT_M = (1, 8, 64, 256, 1024)
@@ -47,16 +48,18 @@ RUNNERS: dict[str, Callable[[suites.Context, list[int]], list[suites.Record]]] =
     "glm5": suites.glm5_suite,
     "glm5-thresholds": lambda ctx, ms: suites.glm5_thresholds(ctx, list(THRESHOLD_M)),
     "glm5-breakdown": suites.glm5_breakdown,
+    "glm5-overlap": lambda ctx, ms: overlap.glm5_overlap(ctx, [m for m in ms if m <= SMALL_M]),
     "spin-bound": lambda ctx, ms: suites.spin_bound(ctx, [m for m in ms if m <= SMALL_M]),
     "host": lambda ctx, ms: suites.host_overhead(ctx, [1]),
 }
 SUITES = tuple(RUNNERS)
-#: Suites a plain run (no --suite) does: spin-bound and host are one process with loopback ranks.
+#: Suites a plain run (no --suite) does: spin-bound and host are one process with loopback ranks;
+#: glm5-overlap compiles a dozen functions and is asked for by name.
 DEFAULT_SUITES = ("core", "dsv41", "glm5", "glm5-thresholds", "glm5-breakdown")
 #: Suites a plain run adds when not under torchrun.
 SINGLE_PROCESS_SUITES = ("host",)
 #: The table each suite prints (the generic one where not named).
-TABLES = {"host": report.host_table}
+TABLES = {"host": report.host_table, "glm5-overlap": report.overlap_table}
 
 
 def commit() -> str:
