@@ -43,6 +43,20 @@ def host_table(records) -> str:
     return "\n".join(lines)
 
 
+def overlap_table(records) -> str:
+    """The glm5-overlap suite (``benchmarks.overlap``): (a)-(d) per M, beside (a) + (b), what (d)
+    should take, and (d) - (c), the microseconds the GEMM hid of the side-stream mixes."""
+    lines = ["\nglm5-overlap (median us per call of the compiled function, CUDA-graph replays)"]
+    lines.append("| tp | M | (a) boundary + join | (b) gemm | (a) + (b) | (c) boundary, gemm, join "
+                 "| (d) boundary, join, gemm | hidden: (d) - (c) |")  # fmt: skip
+    lines.append("|---|---|---|---|---|---|---|---|")
+    times = {(r.tp, r.m, r.variant[:3]): r.us for r in records}
+    for tp, m in sorted({(r.tp, r.m) for r in records}):
+        a, b, c, d = (times.get((tp, m, key), float("nan")) for key in ("(a)", "(b)", "(c)", "(d)"))
+        lines.append(f"| {tp} | {m} | {a:.2f} | {b:.2f} | {a + b:.2f} | {c:.2f} | {d:.2f} | {d - c:.2f} |")
+    return "\n".join(lines)
+
+
 def plots(records, folder: Path, stem: str, header: dict) -> None:
     try:
         import matplotlib

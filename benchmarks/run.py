@@ -1,6 +1,7 @@
 """Run the benchmarks and print their tables (``nox -s bench`` wraps this).
 
-    python3 -m benchmarks.run [--suite core dsv41 glm5 glm5-thresholds glm5-breakdown spin-bound host] [--out DIR]
+    python3 -m benchmarks.run [--suite core dsv41 glm5 glm5-thresholds glm5-breakdown glm5-overlap spin-bound host]
+                              [--out DIR]
     python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m benchmarks.run   # real tp 2
 
 Under torchrun the suites run over a real NCCL group (unicast Lamport; NVLink
@@ -15,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,16 +33,33 @@ for variable, value in (
 
 import torch  # noqa: E402
 
-from . import report, suites  # noqa: E402
+from . import overlap, report, suites  # noqa: E402
 from .harness import copy_bandwidth_bytes_per_us, device_description  # noqa: E402
 
-SUITES = ("core", "dsv41", "glm5", "glm5-thresholds", "glm5-breakdown", "spin-bound", "host")
-#: Suites a plain run (no --suite) does: spin-bound and host are one process with loopback ranks.
+DEFAULT_M = (1, 8, 64, 256, 1024)
+THRESHOLD_M = (8, 16, 32, 64, 128, 256, 512, 1024)
+#: The decode sizes of the suites that measure small-M effects (the --m values up to 64).
+SMALL_M = 64
+
+#: Each suite's function of the context and the --m values.
+RUNNERS: dict[str, Callable[[suites.Context, list[int]], list[suites.Record]]] = {
+    "core": suites.core_suite,
+    "dsv41": suites.dsv41_suite,
+    "glm5": suites.glm5_suite,
+    "glm5-thresholds": lambda ctx, ms: suites.glm5_thresholds(ctx, list(THRESHOLD_M)),
+    "glm5-breakdown": suites.glm5_breakdown,
+    "glm5-overlap": lambda ctx, ms: overlap.glm5_overlap(ctx, [m for m in ms if m <= SMALL_M]),
+    "spin-bound": lambda ctx, ms: suites.spin_bound(ctx, [m for m in ms if m <= SMALL_M]),
+    "host": lambda ctx, ms: suites.host_overhead(ctx, [1]),
+}
+SUITES = tuple(RUNNERS)
+#: Suites a plain run (no --suite) does: spin-bound and host are one process with loopback ranks;
+#: glm5-overlap compiles a dozen functions and is asked for by name.
 DEFAULT_SUITES = ("core", "dsv41", "glm5", "glm5-thresholds", "glm5-breakdown")
 #: Suites a plain run adds when not under torchrun.
 SINGLE_PROCESS_SUITES = ("host",)
-DEFAULT_M = (1, 8, 64, 256, 1024)
-THRESHOLD_M = (8, 16, 32, 64, 128, 256, 512, 1024)
+#: The table each suite prints (the generic one where not named).
+TABLES = {"host": report.host_table, "glm5-overlap": report.overlap_table}
 
 
 def commit() -> str:
@@ -90,23 +109,10 @@ def main() -> int:
     records = []
     chosen = options.suite or [*DEFAULT_SUITES, *(SINGLE_PROCESS_SUITES if tp == 1 else ())]
     for suite in chosen:
-        if suite == "core":
-            records += suites.core_suite(ctx, options.m)
-        elif suite == "dsv41":
-            records += suites.dsv41_suite(ctx, options.m)
-        elif suite == "glm5":
-            records += suites.glm5_suite(ctx, options.m)
-        elif suite == "glm5-breakdown":
-            records += suites.glm5_breakdown(ctx, options.m)
-        elif suite == "spin-bound":
-            records += suites.spin_bound(ctx, [m for m in options.m if m <= 64])
-        elif suite == "host":
-            records += suites.host_overhead(ctx, [1])
-        else:
-            records += suites.glm5_thresholds(ctx, list(THRESHOLD_M))
+        measured = RUNNERS[suite](ctx, options.m)
+        records += measured
         if rank == 0:
-            selected = [r for r in records if r.suite.startswith(suite)]
-            print(report.host_table(selected) if suite == "host" else report.table(selected), flush=True)
+            print(TABLES.get(suite, report.table)(measured), flush=True)
     if rank == 0:
         options.out.mkdir(parents=True, exist_ok=True)
         stem = f"tp{tp}"

@@ -1,10 +1,13 @@
-"""The benchmark tools' host side without a GPU: the A/B table and its argument checks."""
+"""The benchmark tools' host side without a GPU: the A/B table and its argument checks; the
+glm5-overlap suite's registration, GEMM shape, variants (traced on fake tensors), order check and table."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,3 +41,91 @@ def test_host_table_pairs_host_and_wall() -> None:
 
     records = [Record("host", 1, 1, "op | host", 10.0, 4.5), Record("host", 1, 1, "op | wall", 11.0, 4.5)]
     assert "| op | 1 | 1 | 10.0 | 11.0 | 4.5 |" in host_table(records)
+
+
+# ------------------------------------------------------------------ glm5-overlap
+def test_overlap_suite_is_registered(monkeypatch) -> None:
+    """``--suite glm5-overlap`` runs ``benchmarks.overlap`` at the --m values up to 64 and prints its own
+    table; a plain run leaves it out (it compiles a dozen functions)."""
+    from benchmarks import overlap, report, run
+
+    seen = []
+    monkeypatch.setattr(overlap, "glm5_overlap", lambda ctx, ms: seen.append(ms) or [])
+    assert run.RUNNERS["glm5-overlap"](None, list(run.DEFAULT_M)) == []
+    assert seen == [[1, 8, 64]]
+    assert "glm5-overlap" in run.SUITES and "glm5-overlap" not in run.DEFAULT_SUITES
+    assert run.TABLES["glm5-overlap"] is report.overlap_table
+
+
+def test_overlap_gemm_is_the_demo_qkv_projection() -> None:
+    from benchmarks.overlap import gemm_bytes, projection_shape
+
+    assert projection_shape(1) == (4096, (32 + 2 * 8) * 128)
+    assert projection_shape(2) == (4096, 3072)  # column-parallel: each rank holds half the heads
+    assert gemm_bytes(8, 1) == 2 * (4096 * 6144 + 8 * 4096 + 8 * 6144)
+
+
+def test_overlap_variants_trace_in_the_order_they_name() -> None:
+    """Each variant traces into one graph (fake CUDA tensors, no GPU) calling the boundary, the GEMM
+    and the join in the order its label gives; the suite checks inductor's generated code on the GPU."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import mhc_glm5.library  # noqa: F401  (registers the ops)
+    from benchmarks.overlap import VARIANTS
+
+    m, hidden, mix = 3, 64, 24
+    names = {"mhc.glm5_boundary": "boundary", "mhc.glm5_join": "join", str(F.linear): "gemm"}
+    with FakeTensorMode():
+        bf16, f32 = torch.bfloat16, torch.float32
+        state = torch.empty(4, dtype=torch.int32, device="cuda")
+        op = SimpleNamespace(state=state, handle=7)
+        inputs = [
+            torch.empty(shape, dtype=dtype, device="cuda")
+            for shape, dtype in (
+                ((96, hidden), bf16),  # the projection, [out, in]
+                ((m, hidden), bf16), ((m, 4, hidden), bf16), ((m, 4, 1), f32),
+                ((m, 4, 4), f32), ((mix, 4 * hidden), bf16), ((3,), f32), ((mix,), f32), ((hidden,), bf16),
+            )
+        ]  # fmt: skip
+        for label, (function, expected) in VARIANTS.items():
+            graphs = []
+
+            def backend(gm, example_inputs, graphs=graphs):
+                graphs.append(gm)
+                return gm.forward
+
+            torch._dynamo.reset()
+            torch.compile(function, fullgraph=True, backend=backend)(op, *inputs)
+            assert len(graphs) == 1, label
+            calls = [names[str(n.target)] for n in graphs[0].graph.nodes if str(n.target) in names]
+            assert tuple(calls) == expected, f"{label}: {calls}"
+
+
+def test_overlap_call_order_reads_the_generated_call() -> None:
+    """The order check reads the calls of inductor's ``call`` function, not its comments."""
+    from benchmarks.overlap import call_order
+
+    code = """
+def triton_poi_fused_0(in_ptr0, ...): pass  # mhc.glm5_join in a kernel name does not count
+class Runner:
+    def call(self, args):
+        # Topologically Sorted Source Nodes: [glm5_join], Original ATen: [mhc.glm5_join]
+        buf0 = torch.ops.mhc.glm5_boundary.default(arg1_1, 1, arg0_1)
+        extern_kernels.mm(buf3, reinterpret_tensor(arg9_1, (4096, 6144), (1, 4096), 0), out=buf4)
+        buf5 = torch.ops.mhc.glm5_join.default(arg1_1, 1, buf2)
+"""
+    assert call_order(code) == ("boundary", "gemm", "join")
+    assert call_order(code.replace("extern_kernels.mm(buf3", "extern_kernels.bmm(buf3")) == ("boundary", "join")
+
+
+def test_overlap_table_derives_the_hidden_time() -> None:
+    from benchmarks.report import overlap_table
+    from benchmarks.suites import Record
+
+    times = {"(a) boundary + join": 6.0, "(b) qkv gemm": 14.0, "(c) boundary, gemm, join": 17.5,
+             "(d) boundary, join, gemm": 20.0}  # fmt: skip
+    records = [Record("glm5-overlap", 1, 8, label, us, 15.0) for label, us in times.items()]
+    assert "| 1 | 8 | 6.00 | 14.00 | 20.00 | 17.50 | 20.00 | 2.50 |" in overlap_table(records)
