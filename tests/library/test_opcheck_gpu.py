@@ -23,9 +23,9 @@ must be followed by its collect, a GLM boundary or collect by its join. ``test_s
 ``test_faketensor`` call the op once each, so they run one sub-test at a time with the phases
 interleaved. ``test_aot_dispatch_dynamic`` calls the op twice in a row, which no two-phase op allows
 (a second collect has no publish pending, a second join no boundary to join; a publish returns
-nothing and mutates only opcheck's clone of the state, so AOTAutograd drops it as dead code and the
-check would be empty): each whole sequence goes through AOT dispatch instead
-(``torch.compile(backend="aot_eager", dynamic=True)``), equal to eager bitwise.
+nothing, so AOTAutograd would see only its state mutation): each whole sequence goes through AOT
+dispatch instead (``torch.compile(backend="aot_eager", dynamic=True)``), equal to eager bitwise and
+moving the op's mailbox generation as eager does.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 
+from mhc_core.constants import NEXT_STAGE
 from tests.dsv41.test_allreduce_mhc_gpu import NORM_EPS
 from tests.dsv41.test_allreduce_mhc_gpu import inputs as dsv_inputs
 from tests.glm5.checks import boundary_inputs as glm_inputs
@@ -140,18 +141,29 @@ def opcheck_in_order(calls: list[tuple[str, tuple]]) -> None:
 
 
 def in_order(calls: list[tuple[str, tuple]]) -> list:
-    """The calls in order on a clone of the op's state: a state that is an input would be written back
-    after an ``aot_eager`` graph with its value from before the calls (inductor updates it in place)."""
-    state = calls[0][1][0].clone()
-    return [getattr(torch.ops.mhc, name)(state, *args[1:]) for name, args in calls]
+    """The calls in order, on the op's own state (what a model passes)."""
+    return [getattr(torch.ops.mhc, name)(*args) for name, args in calls]
 
 
-def check_aot_dispatch(calls: list[tuple[str, tuple]], what: str) -> None:
+def check_aot_dispatch(calls: list[tuple[str, tuple]], what: str, *, moves: bool) -> None:
     """``test_aot_dispatch_dynamic`` for a sequence: compiled through AOTAutograd (M symbolic), then
-    the same calls eagerly; every output bitwise equal."""
+    the same calls eagerly; every output bitwise equal. A functionalized graph hands each op a copy
+    of the state and writes it back afterwards: the ops copy their advanced state into it
+    (``mhc_core.host.library.run``), so the compiled calls move the mailbox generation exactly as
+    the eager ones (``moves``: by a nonzero step; a tp = 1 direct call moves nothing)."""
+    state = calls[0][1][0]
     torch._dynamo.reset()
     compiled = torch.compile(in_order, backend="aot_eager", dynamic=True, fullgraph=True)
-    actual, expected = compiled(calls), in_order(calls)
+    start = int(state[NEXT_STAGE])
+    actual = compiled(calls)
+    middle = int(state[NEXT_STAGE])
+    expected = in_order(calls)
+    end = int(state[NEXT_STAGE])
+    step = (end - middle) % 3
+    assert (middle - start) % 3 == step, (
+        f"{what}: the compiled calls moved the stage by {(middle - start) % 3}, eager by {step}"
+    )
+    assert bool(step) == moves, f"{what}: the stage moved by {step}"
     tensors = [pytree.tree_leaves(result) for result in (actual, expected)]
     assert len(tensors[0]) == len(tensors[1]), f"{what}: {len(tensors[0])} outputs, expected {len(tensors[1])}"
     for index, (a, e) in enumerate(zip(*tensors, strict=True)):
@@ -167,7 +179,7 @@ def test_two_phase(ops, family: str, moe: bool) -> None:
     op = ops[family]
     opcheck_in_order(two_phase(family, op, moe, seed=10 + moe))
     calls = two_phase(family, op, moe, seed=20 + moe)
-    check_aot_dispatch(calls, family)
+    check_aot_dispatch(calls, family, moves=True)
 
 
 def test_glm5_join_after_boundary(ops) -> None:
@@ -176,4 +188,4 @@ def test_glm5_join_after_boundary(ops) -> None:
     inputs = after_x("glm5", op, seed=31)
     calls = [("glm5_boundary", (op.state, op.handle, x, *inputs)), ("glm5_join", (op.state, op.handle, inputs[0]))]
     opcheck_in_order(calls)
-    check_aot_dispatch(calls, "glm5 boundary, join")
+    check_aot_dispatch(calls, "glm5 boundary, join", moves=False)
