@@ -125,6 +125,18 @@ def rows(m: int = 1) -> list[tuple[str, int, float, float, int]]:
         glm.join()
 
     out.append(("AllReduceMhcBoundary.__call__ + join()", 1, *eager_us(glm_step), 2))
+    # With the caller's outputs (an engine's preallocated buffers): the same calls without torch's
+    # output allocations, i.e. everything the op itself costs.
+    dsv_out = dsv(*args)
+    out.append(("AllReduceMHC.__call__(out=...)", 1, *eager_us(lambda: dsv(*args, out=dsv_out)), 1))
+    glm_out = glm(*glm_args)
+    glm.join()
+
+    def glm_step_out() -> None:
+        glm(*glm_args, out=glm_out)
+        glm.join()
+
+    out.append(("AllReduceMhcBoundary.__call__(out=...) + join()", 1, *eager_us(glm_step_out), 2))
 
     group = LoopbackGroup(2, device)
     dsv2 = [AllReduceMHC.from_preset("h200-tp2-h5120", max_num_tokens=8, device=device, group=r) for r in group]

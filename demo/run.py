@@ -80,6 +80,11 @@ def compiler(mode: str):
     """``torch.compile`` in ``mode`` (one specialization per M: ``dynamic=False``), or nothing for ``none``."""
     if mode == "none":
         return lambda function: function
+    # Every (boundary kind, path, M) compiles the same few code objects again (the isolated boundary
+    # calls are closures of one function): 12 or more specializations, past Dynamo's default limit
+    # of 8 per code object, which fullgraph turns into an error.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 1024)
     options = {} if mode == "default" else {"mode": mode}
     return lambda function: torch.compile(function, fullgraph=True, dynamic=False, **options)
 
