@@ -93,7 +93,7 @@ def rows(m: int = 1) -> list[tuple[str, int, float, float, int]]:
     out: list[tuple[str, int, float, float, int]] = []
     flag = torch.zeros(4, dtype=torch.int32, device=device)
     touch = compile_kernel(TouchKernel(TouchConfig()), device_arch(device))
-    bound = BoundKernel(touch.function, touch.kernel.signature(), {}, device)
+    bound = BoundKernel(touch.function, touch.signature, {}, device)
     entry, address, stream = touch.function, flag.data_ptr(), current_stream_handle(device.index)
     out.append(("launch floor: bare TVM-FFI entry point", 1, *eager_us(lambda: entry(address, stream)), 1))
     out.append(("launch floor: BoundKernel", 1, *eager_us(lambda: bound(flag=flag)), 1))
@@ -101,7 +101,7 @@ def rows(m: int = 1) -> list[tuple[str, int, float, float, int]]:
     floor = Program(
         (tensor("flag", (M,), dtype=torch.int32, align=4),),
         (),
-        [Launch([entry], touch.kernel.signature(), {"flag": Pointer("flag")})],
+        [Launch([entry], touch.signature, {"flag": Pointer("flag")})],
         device,
         4,
     )

@@ -259,7 +259,7 @@ def boundary_alone(op, tokens: int):
         mailbox=op.mailbox.buffer, stage_state=op.mailbox.stage_state, capacity=op.capacity,
         spin_limit_ns=op.spin.limit_ns, error_flag=op.spin.address, arrivals=op._arrivals,
     )  # fmt: skip
-    return BoundKernel(kernel.function, kernel.kernel.signature(), fixed, op.device)
+    return BoundKernel(kernel.function, kernel.signature, fixed, op.device)
 
 
 # ------------------------------------------------------------------ spin bound

@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from tools.compile_presets import MODELS, PACKAGES, ROOT, ensure_importable, jobs_for, select_presets
 
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line, flush=True)
 
     from mhc_core.host import artifacts
-    from mhc_core.host.compiler import CALLING_CONVENTION, compile_kernel, kernel_from_spec
+    from mhc_core.host.compiler import CALLING_CONVENTION, KernelSpec, compile_kernel
 
     artifacts.load_runtime_globally()
     models = [args.model] if args.model else list(MODELS)
@@ -55,23 +56,23 @@ def main(argv: list[str] | None = None) -> int:
             folder = base / "kernels" / arch
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir(parents=True)
-            keys: dict[str, artifacts.KernelKey] = {}
+            keys: dict[str, tuple[artifacts.KernelKey, Any]] = {}
             with tempfile.TemporaryDirectory(prefix="mhc-export-") as scratch:
                 objects = []
                 for preset in dict.fromkeys(job.preset for job in jobs if job.arch == arch):
                     began = time.perf_counter()
                     for job in (j for j in jobs if j.arch == arch and j.preset == preset):
-                        kernel = kernel_from_spec(job.path, job.config)
-                        key = artifacts.kernel_key(kernel, arch, CALLING_CONVENTION)
+                        spec = KernelSpec(job.path, job.config)
+                        key = artifacts.kernel_key(spec, arch, CALLING_CONVENTION)
                         if key.symbol in keys:
                             continue
-                        compiled = compile_kernel(kernel, arch, prebuilt=False)
+                        compiled = compile_kernel(spec, arch, prebuilt=False)
                         target = Path(scratch, f"{key.symbol}.o")
                         compiled.compiled.export_to_c(
                             str(target), function_name=key.symbol, export_only_tvm_ffi_symbols=True
                         )
                         objects.append(str(target))
-                        keys[key.symbol] = key
+                        keys[key.symbol] = (key, compiled.signature)
                     print(f"{model}.{preset} {arch}: exported in {time.perf_counter() - began:.1f} s", flush=True)
                 library = f"lib{package}_{arch}.so"
                 artifacts.link(objects, folder / library)

@@ -145,8 +145,8 @@ def test_host_modules_form_no_cycle() -> None:
 
 
 def test_the_graph_sees_the_layers() -> None:
-    """The checks above look at real edges: the op imports the publish kernels, a model's op its kernel."""
+    """The checks above look at real edges: the op imports the kernel configs, a model's op its own."""
     graph = edges()
-    assert "mhc_core.device.publish" in graph["mhc_core.host.op"]
-    assert "mhc_dsv41.kernel" in graph["mhc_dsv41.op"]
+    assert "mhc_core.device.configs" in graph["mhc_core.host.op"]
+    assert "mhc_dsv41.config" in graph["mhc_dsv41.op"]
     assert "mhc_core.host.groups" in graph["mhc_core.host.mailbox"]

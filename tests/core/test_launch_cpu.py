@@ -36,25 +36,66 @@ def test_tvm_ffi_build_has_the_default_conventions_ptx(preset: str) -> None:
         assert built.ptx == default_convention_ptx(kernel, "sm_90a"), f"{kernel}: PTX differs"
 
 
-def test_a_shipped_kernel_loads_instead_of_compiling(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``compile_kernel`` finds a kernel's full key in a manifest and loads its entry point from the
-    library: ``cute.compile`` is never called. A different key (another arch) still compiles."""
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """``dsv41.h200-tp1-h5120``'s kernels exported (sm_90a) the way ``nox -s build`` does: its manifest."""
     import shutil
     import subprocess
     import sys
     from pathlib import Path
 
+    from mhc_core.host import artifacts
+
+    if shutil.which("cc") is None:
+        pytest.skip("linking the kernels needs a C compiler (cc)")
+    out = tmp_path_factory.mktemp("exported")
+    root = Path(__file__).resolve().parents[2]
+    command = [sys.executable, "-m", "tools.export_kernels", "--preset", "dsv41.h200-tp1-h5120", "--out", str(out)]
+    done = subprocess.run(command, cwd=root, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out / "mhc_dsv41" / "kernels" / "sm_90a" / artifacts.MANIFEST
+
+
+WITHOUT_THE_DSL = """
+import sys
+from pathlib import Path
+import mhc_core.host.allreduce, mhc_dsv41.op, mhc_glm5.op  # every op module, as an engine imports them
+from mhc_core.host import artifacts, compiler
+from mhc_dsv41 import presets
+artifacts._index = lambda: artifacts.read_manifest(Path(sys.argv[1]))
+for name, (path, config) in presets.get("h200-tp1-h5120").PRESET.kernel_specs("sm_90a").items():
+    loaded = compiler.compile_kernel(compiler.KernelSpec(path, config), "sm_90a")
+    assert loaded.kernel is None and loaded.function is not None, name
+    assert [param.name for param in loaded.signature][-1] == "stream", name
+dsl = sorted(module for module in sys.modules if module.split(".")[0] == "cutlass")
+assert not dsl, f"the DSL was imported: {dsl[:5]}"
+print("loaded without the DSL")
+"""
+
+
+def test_op_modules_and_shipped_kernels_need_no_dsl(exported) -> None:
+    """An engine's process: the op modules imported, every kernel of a preset named by spec and
+    loaded from a manifest, and no ``cutlass`` module imported (a host with the DSL's runtime
+    library alone can build ops: issue #17)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    command = [sys.executable, "-c", WITHOUT_THE_DSL, str(exported)]
+    done = subprocess.run(command, cwd=root, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "loaded without the DSL" in done.stdout
+
+
+def test_a_shipped_kernel_loads_instead_of_compiling(exported, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``compile_kernel`` finds a kernel's full key in a manifest and loads its entry point from the
+    library: ``cute.compile`` is never called. A different key (another arch) still compiles."""
     import cutlass.cute as cute
 
     from mhc_core.host import artifacts, compiler
 
-    if shutil.which("cc") is None:
-        pytest.skip("linking the kernels needs a C compiler (cc)")
-    root = Path(__file__).resolve().parents[2]
-    command = [sys.executable, "-m", "tools.export_kernels", "--preset", "dsv41.h200-tp1-h5120", "--out", str(tmp_path)]
-    done = subprocess.run(command, cwd=root, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    manifest = tmp_path / "mhc_dsv41" / "kernels" / "sm_90a" / artifacts.MANIFEST
+    manifest = exported
     monkeypatch.setattr(artifacts, "_index", lambda: artifacts.read_manifest(manifest))
     monkeypatch.setattr(compiler, "_CACHE", {})
 
@@ -84,13 +125,14 @@ def test_a_kernel_compiled_here_persists_in_the_cache(tmp_path, monkeypatch: pyt
 
     if shutil.which("cc") is None:
         pytest.skip("linking the kernels needs a C compiler (cc)")
-    monkeypatch.setenv(artifacts.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("MHC_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(artifacts, "_index", lambda: {})  # nothing shipped
     monkeypatch.setattr(compiler, "_CACHE", {})
     kernel = h200_tp1_h5120.kernels("sm_90a")["publish"]
     compiler.compile_kernel(kernel, "sm_90a", persist=True)
     key = artifacts.kernel_key(kernel, "sm_90a", compiler.CALLING_CONVENTION)
-    assert (tmp_path / "sm_90a" / f"{key.symbol}.so").exists()
+    assert (tmp_path / "kernels" / "sm_90a" / f"{key.symbol}.so").exists()
+    assert (tmp_path / "kernels" / "sm_90a" / f"{key.symbol}.json").exists(), "its key and signature beside it"
     monkeypatch.setattr(compiler, "_CACHE", {})
 
     def refuse(*args, **kwargs):

@@ -30,7 +30,7 @@ class Kernels:
         def record(*args) -> None:
             self.calls.append((name, dict(zip((param.name for param in signature), args, strict=True))))
 
-        return SimpleNamespace(function=tvm_ffi.convert(record), kernel=kernel)
+        return SimpleNamespace(function=tvm_ffi.convert(record), kernel=kernel, signature=signature)
 
     def names(self) -> list[str]:
         return [name for name, _ in self.calls]

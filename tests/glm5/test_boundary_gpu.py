@@ -319,7 +319,7 @@ def mixes_alone(op):
         mixes=op._mixes_handoff, raw_out=op.raw_mixes, spin_limit_ns=op.spin.handoff_limit_ns,
         error_flag=op.spin.address, state=op.state.data_ptr(),
     )  # fmt: skip
-    return BoundKernel(kernel.function, kernel.kernel.signature(), fixed, op.device)
+    return BoundKernel(kernel.function, kernel.signature, fixed, op.device)
 
 
 def test_mixes_kernel_gives_up_on_raw_mixes_never_written() -> None:

@@ -34,8 +34,10 @@ for package in ("mhc_dsv41", "mhc_glm5"):
         for arch in module.PRESET.archs:
             for kernel in module.kernels(arch).values():
                 key = artifacts.kernel_key(kernel, arch, CALLING_CONVENTION)
-                library = artifacts.lookup(key)
-                assert library is not None and str(library).startswith(sys.argv[1]), (name, arch, kernel)
+                found = artifacts.lookup(key)
+                assert found is not None and str(found.library).startswith(sys.argv[1]), (name, arch, kernel)
+                assert [param.name for param in found.signature] == [param.name for param in kernel.signature()]
+                library = found.library
                 symbols = subprocess.run(["nm", "-D", "--defined-only", str(library)], capture_output=True,
                                          text=True, check=True).stdout
                 assert "__tvm_ffi_" + key.symbol in symbols, (name, arch, kernel, key.symbol)
@@ -95,7 +97,8 @@ def test_model_wheels_carry_a_library_and_manifest_per_arch(shipped_wheels: dict
                 assert f"{module}/kernels/{arch}/lib{module}_{arch}.so" in names, (package, arch)
                 manifest = json.loads(archive.read(f"{module}/kernels/{arch}/manifest.json"))
                 assert manifest["arch"] == arch and manifest["kernels"], (package, arch)
-    assert shipped_wheels["mhc-core"].name.endswith("-py3-none-any.whl"), "mhc-core ships no kernels: it stays pure"
+    # mhc-core ships no kernels, but its host library: platform-tagged too.
+    assert shipped_wheels["mhc-core"].name.endswith("-py3-none-linux_x86_64.whl"), shipped_wheels["mhc-core"].name
 
 
 def test_a_fresh_venv_resolves_every_preset_kernel(shipped_wheels: dict[str, Path], tmp_path: Path) -> None:

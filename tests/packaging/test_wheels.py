@@ -19,22 +19,27 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DSL = "nvidia-cutlass-dsl==4.8.1"
+#: The DSL's runtime library (and its compiler's binary, not importable without DSL): what loading needs.
+DSL_LIBS = "nvidia-cutlass-dsl-libs-cu12==4.8.1"
 #: 2.11: the GPU hosts' torch (2.11.0+cu130); below 2.14: 2.13.0, CI's, is the newest run (private symm_mem API).
 TORCH = "torch>=2.11,<2.14"
 PACKAGES = {
     # distribution: (import name, pins its METADATA must declare)
     # numpy: mhc_core.host.spin uses Tensor.numpy(); apache-tvm-ffi: the launch convention.
-    "mhc-core": ("mhc_core", {DSL, TORCH, "numpy", "apache-tvm-ffi<0.2,>=0.1.15"}),
-    "mhc-dsv41": ("mhc_dsv41", {"mhc-core~=0.4.0", DSL, TORCH}),
-    "mhc-glm5": ("mhc_glm5", {"mhc-core~=0.4.0", DSL, TORCH}),  # 0.4.0: TVM-FFI launches, shared direct read
+    "mhc-core": ("mhc_core", {DSL_LIBS, TORCH, "numpy", "apache-tvm-ffi<0.2,>=0.1.15"}),
+    "mhc-dsv41": ("mhc_dsv41", {"mhc-core~=0.5.0", TORCH}),
+    "mhc-glm5": ("mhc_glm5", {"mhc-core~=0.5.0", TORCH}),  # 0.5.0: the native call path, kernels by spec
 }
-#: Every package's extras: the DSL's CUDA 12 / CUDA 13 libraries (the DSL always brings cu12's).
+#: Every package's extras: the DSL's CUDA 12 / CUDA 13 libraries, and the compiler ([jit]).
 EXTRAS = {
     "cu12": {'nvidia-cutlass-dsl-libs-cu12==4.8.1; extra == "cu12"'},
     "cu13": {'nvidia-cutlass-dsl-libs-cu13==4.8.1; extra == "cu13"'},
+    "jit": {'nvidia-cutlass-dsl==4.8.1; extra == "jit"'},
 }
 #: Each package's own version (its __init__); bumped when its kernels or API change.
-VERSIONS = {"mhc-core": "0.4.0", "mhc-dsv41": "0.3.0", "mhc-glm5": "0.7.0"}
+VERSIONS = {"mhc-core": "0.5.0", "mhc-dsv41": "0.4.0", "mhc-glm5": "0.8.0"}
+#: mhc-core ships its host library (libmhc_host.so, built from executor.cc): always platform-tagged.
+NATIVE = ("mhc_core/host/native/libmhc_host.so",)
 LICENSE = ROOT / "LICENSE"
 #: sha256 of https://www.apache.org/licenses/LICENSE-2.0.txt (11,358 bytes).
 APACHE_2_0_SHA256 = "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
@@ -95,8 +100,9 @@ def test_metadata(package: str, wheels: dict[str, Path]) -> None:
     assert {normal(pin) for pin in meta.get_all("Requires-Dist")} == {normal(pin) for pin in expected}
     assert set(meta.get_all("Provides-Extra")) == set(EXTRAS)
     module = PACKAGES[package][0]
-    # A model wheel is tagged for the platform once its kernels are exported into the checkout.
-    shipped = any((ROOT / "packages" / package / "src" / module / "kernels").glob("*/*.so"))
+    # A model wheel is tagged for the platform once its kernels are exported into the checkout;
+    # mhc-core always (its host library).
+    shipped = package == "mhc-core" or any((ROOT / "packages" / package / "src" / module / "kernels").glob("*/*.so"))
     tag = "py3-none-linux_x86_64" if shipped else "py3-none-any"
     assert wheels[package].name == f"{module}-{VERSIONS[package]}-{tag}.whl"
 
@@ -110,7 +116,11 @@ def test_contents(package: str, wheels: dict[str, Path]) -> None:
     assert not [name for name in names if "__pycache__" in name or name.endswith(".pyc")]
     source = ROOT / "packages" / package / "src" / module
     shipped = {name for name in names if not name.startswith(f"{module}-{VERSIONS[package]}.dist-info/")}
-    assert shipped == {str(path.relative_to(source.parent)) for path in source.rglob("*.py")} | {f"{module}/py.typed"}
+    expected = {str(path.relative_to(source.parent)) for path in source.rglob("*.py")} | {f"{module}/py.typed"}
+    if package == "mhc-core":  # the host library and the source its digest is checked against
+        expected |= {*NATIVE, "mhc_core/host/native/executor.cc"}
+    kernels = {name for name in shipped if "/kernels/" in name}  # exported kernels, where there are
+    assert shipped - kernels == expected
 
 
 @pytest.mark.parametrize("package", ["mhc-dsv41", "mhc-glm5"])
@@ -152,14 +162,14 @@ IMPORTS = {
     INSTALL_ALL: ["mhc-core", "mhc-dsv41", "mhc-glm5"],
     INSTALL_ONE: ["mhc-core", "mhc-dsv41"],
 }
-#: Classes whose first use loads torch and the DSL: the dependencies resolve in the new venv too.
+#: Classes whose first use loads torch (not the DSL compiler): the dependencies resolve in the new venv.
 CLASSES = {"mhc_core": "LamportAllReduce", "mhc_dsv41": "AllReduceMHC", "mhc_glm5": "AllReduceMhcBoundary"}
 CHECK = """
 import sys, {modules}
 for module in ({modules},):
     assert module.__file__.startswith(sys.argv[1]), module.__file__
 {classes}
-assert "torch" in sys.modules and "cutlass" in sys.modules
+assert "torch" in sys.modules and "cutlass" not in sys.modules, "the op classes import without the DSL compiler"
 print("imported", {versions})
 """
 

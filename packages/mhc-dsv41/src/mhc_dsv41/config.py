@@ -33,6 +33,13 @@ from mhc_core.presets import (
     require_tp,
 )
 
+#: A plain publish's finalize fields (every config here lists every field: the dict is what a
+#: kernel's key is built from, so it must equal the config dataclass's ``asdict``).
+PLAIN = {"top_k": 0, "weights": "float32"}
+
+#: The collective's kernel class (``KernelSpec`` path: named without importing it or the DSL).
+COLLECTIVE_KERNEL = "mhc_dsv41.kernel:LamportMHCKernel"
+
 DEFAULT_THREADS = 128
 DEFAULT_RANK_LANES = 1
 #: Registers hold every trip's hc residual fragments (4 words each): bound them.
@@ -149,11 +156,57 @@ class DSV41Preset:
         """
         publish = {"hidden": self.hidden, "tp": self.tp, "threads": self.publish_threads, "trigger": "after_stores"}
         return {
-            "publish": ("mhc_core.device.publish:PublishKernel", {**publish, "store": "unicast"}),
-            "publish_multicast": ("mhc_core.device.publish:PublishKernel", {**publish, "store": "multicast"}),
+            "publish": ("mhc_core.device.publish:PublishKernel", {**publish, "store": "unicast", **PLAIN}),
+            "publish_multicast": ("mhc_core.device.publish:PublishKernel", {**publish, "store": "multicast", **PLAIN}),
             "finalize": (
                 "mhc_core.device.publish:FinalizePublishKernel",
                 {**publish, "store": "unicast", "top_k": self.top_k, "weights": "float32"},
             ),
-            "collective": ("mhc_dsv41.kernel:LamportMHCKernel", self.collective_config()),
+            "collective": (COLLECTIVE_KERNEL, self.collective_config()),
         }
+
+
+@dataclass(frozen=True, slots=True)
+class MHCConfig:
+    """Compile-time constants of the collective (``mhc_dsv41.kernel``; the geometry rules above)."""
+
+    hidden: int
+    hc: int
+    tp: int
+    cluster_size: int
+    rank_lanes: int
+    threads: int
+
+    def __post_init__(self) -> None:
+        if self.hidden <= 0 or self.hidden % VEC_BF16:
+            raise ValueError(f"hidden: expected a positive multiple of {VEC_BF16}, got {self.hidden}")
+        if self.rank_lanes not in (1, 2, 4, 8) or self.tp % self.rank_lanes:
+            raise ValueError(f"rank_lanes: expected 1, 2, 4 or 8 dividing tp = {self.tp}, got {self.rank_lanes}")
+        if self.threads % WARP_SIZE or self.threads % self.rank_lanes or not 0 < self.threads <= 1024:
+            raise ValueError(f"threads: expected a multiple of 32 and of rank_lanes in [32, 1024], got {self.threads}")
+        if not 1 <= self.cluster_size <= 8:
+            raise ValueError(f"cluster_size: expected 1..8, got {self.cluster_size}")
+
+    @property
+    def fragments(self) -> int:
+        return self.hidden // VEC_BF16
+
+    @property
+    def groups_per_cta(self) -> int:
+        return self.threads // self.rank_lanes
+
+    @property
+    def fragment_stride(self) -> int:
+        return self.cluster_size * self.groups_per_cta
+
+    @property
+    def trips(self) -> int:
+        return -(-self.fragments // self.fragment_stride)
+
+    @property
+    def warps(self) -> int:
+        return self.threads // WARP_SIZE
+
+    @property
+    def shared_bytes(self) -> int:
+        return (self.warps + self.cluster_size) * 4

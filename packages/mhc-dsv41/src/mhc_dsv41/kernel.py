@@ -24,63 +24,17 @@ are, and nothing is re-armed or moved on.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32, Int64, Uint32
 
-from mhc_core.constants import VEC_BF16, WARP_SIZE
+from mhc_core.constants import VEC_BF16
 from mhc_core.device import protocol, ptx, reduce
 from mhc_core.device.collective import mailbox_params
 from mhc_core.device.kernel import DeviceKernel
 from mhc_core.device.signature import Param, Ptr, Scalar, Signature, Stream
 
-
-@dataclass(frozen=True, slots=True)
-class MHCConfig:
-    """Compile-time constants of the collective (the geometry rules: ``mhc_dsv41.config``)."""
-
-    hidden: int
-    hc: int
-    tp: int
-    cluster_size: int
-    rank_lanes: int
-    threads: int
-
-    def __post_init__(self) -> None:
-        if self.hidden <= 0 or self.hidden % VEC_BF16:
-            raise ValueError(f"hidden: expected a positive multiple of {VEC_BF16}, got {self.hidden}")
-        if self.rank_lanes not in (1, 2, 4, 8) or self.tp % self.rank_lanes:
-            raise ValueError(f"rank_lanes: expected 1, 2, 4 or 8 dividing tp = {self.tp}, got {self.rank_lanes}")
-        if self.threads % WARP_SIZE or self.threads % self.rank_lanes or not 0 < self.threads <= 1024:
-            raise ValueError(f"threads: expected a multiple of 32 and of rank_lanes in [32, 1024], got {self.threads}")
-        if not 1 <= self.cluster_size <= 8:
-            raise ValueError(f"cluster_size: expected 1..8, got {self.cluster_size}")
-
-    @property
-    def fragments(self) -> int:
-        return self.hidden // VEC_BF16
-
-    @property
-    def groups_per_cta(self) -> int:
-        return self.threads // self.rank_lanes
-
-    @property
-    def fragment_stride(self) -> int:
-        return self.cluster_size * self.groups_per_cta
-
-    @property
-    def trips(self) -> int:
-        return -(-self.fragments // self.fragment_stride)
-
-    @property
-    def warps(self) -> int:
-        return self.threads // WARP_SIZE
-
-    @property
-    def shared_bytes(self) -> int:
-        return (self.warps + self.cluster_size) * 4
+from .config import MHCConfig
 
 
 class LamportMHCKernel(DeviceKernel):

@@ -13,8 +13,9 @@ from typing import Any, cast
 
 import torch
 
-from mhc_core.device.publish import TRIGGER_AFTER_STORES
+from mhc_core.device.configs import TRIGGER_AFTER_STORES
 from mhc_core.host.calls import M, Rule, ScalarRule, TensorRule, tensor
+from mhc_core.host.compiler import KernelSpec
 from mhc_core.host.moe import MoEOutput
 from mhc_core.host.op import LamportOp
 from mhc_core.host.programs import Fixed, Launch, Pointer, Scalar, Source
@@ -22,8 +23,7 @@ from mhc_core.host.validation import check_int, check_positive_float
 from mhc_core.presets import warn_if_untuned
 
 from . import library  # noqa: F401  (registers the mhc::dsv41_* custom ops)
-from .config import DSV41Preset, default_geometry
-from .kernel import LamportMHCKernel, MHCConfig
+from .config import COLLECTIVE_KERNEL, DSV41Preset, MHCConfig, default_geometry
 
 Outputs = tuple[torch.Tensor, torch.Tensor]
 
@@ -92,7 +92,7 @@ class AllReduceMHC(LamportOp):
                 geometry[key] = check_int(key, value, minimum=1)
         self.config = MHCConfig(hidden=hidden_size, hc=hc_mult, tp=self.tp, **geometry)
         self._build_publishes()
-        self._collective_kernel = self._compile(LamportMHCKernel(self.config))
+        self._collective_kernel = self._compile(KernelSpec(COLLECTIVE_KERNEL, self.config))
         self._setup()
 
     @classmethod
@@ -152,7 +152,7 @@ class AllReduceMHC(LamportOp):
         )
 
     def _collect_launches(self, *, direct: bool, prefetch: Source) -> list[Launch]:
-        sources = dict(
+        sources: dict[str, Source] = dict(
             self._collective_fixed(),
             residual=Pointer("residual"),
             post=Pointer("post"),
@@ -168,9 +168,9 @@ class AllReduceMHC(LamportOp):
             direct=Fixed(int(direct)),
         )
         kernel = self._collective_kernel
-        return [Launch([kernel.function], kernel.kernel.signature(), sources)]
+        return [Launch([kernel.function], kernel.signature, sources)]
 
-    def _allocate(self, like: Any, values: tuple, m: int) -> tuple[torch.Tensor, ...]:
+    def _allocate(self, like: Any, values: tuple[Any, ...], m: int) -> tuple[torch.Tensor, ...]:
         layer_input = (
             torch.empty_like(like)  # x or the MoE shared output: [M, hidden] BF16 like the layer input
             if like is not None
@@ -178,7 +178,7 @@ class AllReduceMHC(LamportOp):
         )
         return torch.empty_like(values[0]), layer_input  # values[0]: the residual streams
 
-    def _warmup_collects(self) -> list[tuple[tuple, int]]:
+    def _warmup_collects(self) -> list[tuple[tuple[Any, ...], int]]:
         hc, hidden, device = self.hc_mult, self.hidden_size, self.device
         residual = torch.zeros(1, hc, hidden, dtype=torch.bfloat16, device=device)
         mixes = torch.zeros(1, hc, dtype=torch.float32, device=device)
@@ -186,7 +186,7 @@ class AllReduceMHC(LamportOp):
         weight = torch.ones(hidden, dtype=torch.bfloat16, device=device)
         return [((residual, mixes, comb, mixes, weight, 1e-6), -1)]
 
-    def _plan_values(self, method: str, *args: Any, **kwargs: Any) -> tuple[object, tuple, Any]:
+    def _plan_values(self, method: str, *args: Any, **kwargs: Any) -> tuple[object, tuple[Any, ...], Any]:
         out = kwargs.pop("out", None)
         if method == "finalize":
             if len(args) not in (9, 10) or kwargs:

@@ -37,6 +37,10 @@ from mhc_core.presets import (
     require_tp,
 )
 
+#: A plain publish's finalize fields (every config here lists every field: the dict is what a
+#: kernel's key is built from, so it must equal the config dataclass's ``asdict``).
+PLAIN = {"top_k": 0, "weights": "float32"}
+
 HC = 4
 MIX = 24
 #: Values each cluster reduction carries per token: 24 mixes and the sum of squares.
@@ -333,6 +337,7 @@ class GLM5Preset:
             "hc_eps": self.hc_eps,
             "norm_eps": self.norm_eps,
             "mixed_fma": arch != "sm_90a",
+            "tokens": 1,
         }
 
     def kernel_specs(self, arch: str) -> dict[str, tuple[str, dict[str, Any]]]:
@@ -343,8 +348,8 @@ class GLM5Preset:
         """
         publish = {"hidden": self.hidden, "tp": self.tp, "threads": self.publish_threads, "trigger": "after_wait"}
         specs: dict[str, tuple[str, dict[str, Any]]] = {
-            "publish": ("mhc_core.device.publish:PublishKernel", {**publish, "store": "unicast"}),
-            "publish_multicast": ("mhc_core.device.publish:PublishKernel", {**publish, "store": "multicast"}),
+            "publish": ("mhc_core.device.publish:PublishKernel", {**publish, "store": "unicast", **PLAIN}),
+            "publish_multicast": ("mhc_core.device.publish:PublishKernel", {**publish, "store": "multicast", **PLAIN}),
         }
         for weights in ("float32", "bfloat16"):
             specs[f"finalize_{weights}"] = (

@@ -32,9 +32,9 @@ from typing import Any, cast
 import torch
 
 from mhc_core.constants import SUPPORTED_ARCHS
-from mhc_core.device.publish import TRIGGER_AFTER_WAIT
+from mhc_core.device.configs import TRIGGER_AFTER_WAIT
 from mhc_core.host.calls import M, Rule, TensorRule, tensor
-from mhc_core.host.compiler import kernel_from_spec
+from mhc_core.host.compiler import KernelSpec
 from mhc_core.host.moe import MoEOutput
 from mhc_core.host.op import LamportOp
 from mhc_core.host.programs import DIM_M, Fixed, Launch, Pointer, Source
@@ -134,10 +134,10 @@ class AllReduceMhcBoundary(LamportOp):
         self.cluster_tokens = self.preset.cluster_tokens
         # The kernels the preset lists (what `nox -s build` compiles), one per tokens-per-cluster size.
         specs = self.preset.kernel_specs(self.arch)
-        self._boundary_kernels = {1: self._compile(kernel_from_spec(*specs["boundary"]))}
+        self._boundary_kernels = {1: self._compile(KernelSpec(*specs["boundary"]))}
         for tokens in self.preset.grouped_sizes:
-            self._boundary_kernels[tokens] = self._compile(kernel_from_spec(*specs[f"boundary_x{tokens}"]))
-        self._mixes_kernel = self._compile(kernel_from_spec(*specs["mixes"]))
+            self._boundary_kernels[tokens] = self._compile(KernelSpec(*specs[f"boundary_x{tokens}"]))
+        self._mixes_kernel = self._compile(KernelSpec(*specs["mixes"]))
         # Per token: the boundary writes the raw mixes, the mixes kernel polls, copies and re-arms them.
         self._mixes_handoff = torch.full((self.capacity, MIX), -0.0, dtype=torch.float32, device=self.device)
         self._raw_mixes = torch.empty(self.capacity, MIX, dtype=torch.float32, device=self.device)
@@ -228,7 +228,7 @@ class AllReduceMhcBoundary(LamportOp):
     def _launched(self, capture: int, values: Sequence[object], outputs: Sequence[torch.Tensor]) -> None:
         # The side kernel uses these after the current stream may have dropped them.
         scale, base = values[-3], values[-2]
-        self._side_work.launched(capture, (outputs[1], outputs[2], scale, base))
+        self._side_work.launched(capture, (outputs[1], outputs[2], cast(torch.Tensor, scale), cast(torch.Tensor, base)))
 
     # ----------------------------------------------------------- the call
     def _collect_rules(self) -> tuple[Rule, ...]:
@@ -252,7 +252,7 @@ class AllReduceMhcBoundary(LamportOp):
 
     def _collect_launches(self, *, direct: bool, prefetch: Source) -> list[Launch]:
         residual_out, post_out, comb_out, layer_input = (Pointer(name) for name in OUTPUT_NAMES)
-        boundary = dict(
+        boundary: dict[str, Source] = dict(
             self._collective_fixed(),
             residual=Pointer("residual"),
             post=Pointer("post"),
@@ -273,7 +273,7 @@ class AllReduceMhcBoundary(LamportOp):
         tokens = [1, *(tokens for _, tokens in self.cluster_tokens)]
         kernels = [self._boundary_kernels[count] for count in tokens]
         assert self.mailbox is not None
-        mixes = dict(
+        mixes: dict[str, Source] = dict(
             # The hand-off wait outlasts the boundary's own (``SpinGuard.handoff_limit_ns``); a timeout
             # there poisons the op through its error word like any other.
             spin_limit_ns=Fixed(self.spin.handoff_limit_ns),
@@ -290,16 +290,16 @@ class AllReduceMhcBoundary(LamportOp):
         return [
             Launch(
                 [kernel.function for kernel in kernels],
-                kernels[0].kernel.signature(),
+                kernels[0].signature,
                 boundary,
                 min_tokens=[1, *(threshold for threshold, _ in self.cluster_tokens)],
             ),
             # Launched after the boundary, so a boundary that fails to launch leaves no waiter; on
             # the side stream, forked before the boundary: it polls the hand-off rows alongside it.
-            Launch([self._mixes_kernel.function], self._mixes_kernel.kernel.signature(), mixes, side=True),
+            Launch([self._mixes_kernel.function], self._mixes_kernel.signature, mixes, side=True),
         ]
 
-    def _allocate(self, like: Any, values: tuple, m: int) -> tuple[torch.Tensor, ...]:
+    def _allocate(self, like: Any, values: tuple[Any, ...], m: int) -> tuple[torch.Tensor, ...]:
         residual, post, comb = values[:3]
         # post is [M, 4, 1] or [M, 4]: post_out is [M, 4, 1] either way (a contiguous view of the latter).
         post_out = torch.empty_like(post) if post.dim() == 3 else torch.empty_like(post).unsqueeze(2)
@@ -310,7 +310,7 @@ class AllReduceMhcBoundary(LamportOp):
         )
         return torch.empty_like(residual), post_out, torch.empty_like(comb), layer_input
 
-    def _warmup_collects(self) -> list[tuple[tuple, int]]:
+    def _warmup_collects(self) -> list[tuple[tuple[Any, ...], int]]:
         hidden, device = self.hidden_size, self.device
         residual = torch.zeros(1, HC, hidden, dtype=torch.bfloat16, device=device)
         post = torch.zeros(1, HC, 1, dtype=torch.float32, device=device)
@@ -324,7 +324,7 @@ class AllReduceMhcBoundary(LamportOp):
         # One launch of each boundary kernel (the variant that first serves its tokens per cluster).
         return [(values, tokens.index(count)) for count in self._boundary_kernels]
 
-    def _plan_values(self, method: str, *args: Any, **kwargs: Any) -> tuple[object, tuple, Any]:
+    def _plan_values(self, method: str, *args: Any, **kwargs: Any) -> tuple[object, tuple[Any, ...], Any]:
         if method != "call":
             raise ValueError(f"method: AllReduceMhcBoundary takes 'call' (MoE input as a MoEOutput), got {method!r}")
         out = kwargs.pop("out", None)

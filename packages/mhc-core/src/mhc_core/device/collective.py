@@ -8,45 +8,14 @@ the op is poisoned (``mhc_core.device.protocol``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32, Int64
 
 from ..constants import STAGE_STATE_WORDS, VEC_BF16
 from . import protocol, ptx
+from .configs import CollectiveConfig
 from .kernel import DeviceKernel
 from .signature import Buffer, Param, Ptr, Scalar, Signature, Stream
-
-
-@dataclass(frozen=True, slots=True)
-class CollectiveConfig:
-    hidden: int
-    tp: int
-    threads: int = 128
-    lanes: int = 1
-
-    def __post_init__(self) -> None:
-        if self.hidden <= 0 or self.hidden % VEC_BF16:
-            raise ValueError(f"hidden: expected a positive multiple of {VEC_BF16}, got {self.hidden}")
-        if self.tp not in (1, 2, 4, 8):
-            raise ValueError(f"tp: expected 1, 2, 4 or 8, got {self.tp}")
-        if self.lanes not in (1, 2, 4, 8):
-            raise ValueError(f"lanes: expected 1, 2, 4 or 8, got {self.lanes}")
-        if self.threads <= 0 or self.threads % 32 or self.threads > 1024:
-            raise ValueError(f"threads: expected a multiple of 32 in [32, 1024], got {self.threads}")
-
-    @property
-    def fragments(self) -> int:
-        return self.hidden // VEC_BF16
-
-    @property
-    def groups_per_cta(self) -> int:
-        return self.threads // self.lanes
-
-    @property
-    def ctas_per_token(self) -> int:
-        return -(-self.fragments // self.groups_per_cta)
 
 
 def mailbox_params() -> Signature:

@@ -55,14 +55,7 @@ from ..constants import (
     VEC_BF16,
 )
 from . import ptx
-
-#: Destination kinds of a publish: peer pointers, the multicast address, or the
-#: multicast addressing with a plain store to the local mailbox (a debug variant
-#: that checks the multicast path's addresses on hosts where multicast must not run).
-STORE_UNICAST = "unicast"
-STORE_MULTICAST = "multicast"
-STORE_MULTICAST_LOCAL = "multicast_local"
-STORE_KINDS = (STORE_UNICAST, STORE_MULTICAST, STORE_MULTICAST_LOCAL)
+from .configs import STORE_KINDS, STORE_MULTICAST, STORE_MULTICAST_LOCAL, STORE_UNICAST  # noqa: F401 (re-exported)
 
 BF16_BYTES = 2
 

@@ -14,63 +14,15 @@ wait) or after its stores (the DSV seed).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32, Int64, Uint16, Uint32
 
 from ..constants import ERROR_CODE, ERROR_DETAIL, ERROR_ROUTE_INDEX, ERROR_TOKEN, STAGE_STATE_WORDS, VEC_BF16
 from . import protocol, ptx
+from .configs import TRIGGER_AFTER_STORES, TRIGGER_AFTER_WAIT, PublishConfig
 from .kernel import DeviceKernel
 from .signature import Buffer, Param, Ptr, Scalar, Signature, Stream
-
-TRIGGER_AFTER_WAIT = "after_wait"
-TRIGGER_AFTER_STORES = "after_stores"
-TRIGGERS = (TRIGGER_AFTER_WAIT, TRIGGER_AFTER_STORES)
-WEIGHT_DTYPES = ("float32", "bfloat16")
-
-
-@dataclass(frozen=True, slots=True)
-class PublishConfig:
-    """Compile-time constants of a publish kernel (plain when ``top_k`` is 0)."""
-
-    hidden: int
-    tp: int
-    threads: int = 128
-    trigger: str = TRIGGER_AFTER_STORES
-    store: str = protocol.STORE_UNICAST
-    top_k: int = 0
-    weights: str = "float32"
-
-    def __post_init__(self) -> None:
-        if self.hidden <= 0 or self.hidden % VEC_BF16:
-            raise ValueError(f"hidden: expected a positive multiple of {VEC_BF16}, got {self.hidden}")
-        if self.tp not in (1, 2, 4, 8):
-            raise ValueError(f"tp: expected 1, 2, 4 or 8, got {self.tp}")
-        if self.threads <= 0 or self.threads % 32 or self.threads > 1024:
-            raise ValueError(f"threads: expected a multiple of 32 in [32, 1024], got {self.threads}")
-        if self.trigger not in TRIGGERS:
-            raise ValueError(f"trigger: expected one of {TRIGGERS}, got {self.trigger!r}")
-        if self.store not in protocol.STORE_KINDS:
-            raise ValueError(f"store: expected one of {protocol.STORE_KINDS}, got {self.store!r}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k: expected >= 0, got {self.top_k}")
-        if self.weights not in WEIGHT_DTYPES:
-            raise ValueError(f"weights: expected one of {WEIGHT_DTYPES}, got {self.weights!r}")
-
-    @property
-    def fragments(self) -> int:
-        return self.hidden // VEC_BF16
-
-    @property
-    def ctas_per_token(self) -> int:
-        return -(-self.fragments // self.threads)
-
-    @property
-    def destinations(self) -> int:
-        """Entries of the destination table: every peer, or one multicast address."""
-        return self.tp if self.store == protocol.STORE_UNICAST else 1
 
 
 def _common_params(config: PublishConfig) -> Signature:

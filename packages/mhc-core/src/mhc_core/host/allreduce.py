@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from ..device.collective import CollectiveConfig, CollectiveKernel
-from ..device.publish import TRIGGER_AFTER_STORES
+from ..device.configs import COLLECTIVE_KERNEL, TRIGGER_AFTER_STORES, CollectiveConfig
 from .calls import M, Rule, TensorRule, tensor
+from .compiler import KernelSpec
 from .moe import MoEOutput
 from .op import LamportOp
 from .programs import Launch, Pointer, Source
@@ -60,7 +60,7 @@ class LamportAllReduce(LamportOp):
         self.lanes = lanes
         config = CollectiveConfig(hidden=hidden_size, tp=self.tp, threads=threads, lanes=lanes)
         self._build_publishes()
-        self._collective_kernel = self._compile(CollectiveKernel(config))
+        self._collective_kernel = self._compile(KernelSpec(COLLECTIVE_KERNEL, config))
         self._setup()
 
     def _collect_rules(self) -> tuple[Rule, ...]:
@@ -71,9 +71,7 @@ class LamportAllReduce(LamportOp):
 
     def _collect_launches(self, *, direct: bool, prefetch: Source) -> list[Launch]:
         kernel = self._collective_kernel
-        return [
-            Launch([kernel.function], kernel.kernel.signature(), dict(self._collective_fixed(), out=Pointer("out")))
-        ]
+        return [Launch([kernel.function], kernel.signature, dict(self._collective_fixed(), out=Pointer("out")))]
 
     def _allocate(self, like: Any, values: tuple, m: int) -> tuple[torch.Tensor, ...]:
         if like is not None:  # x or the MoE shared output: [M, hidden] BF16 like the result

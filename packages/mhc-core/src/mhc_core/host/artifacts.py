@@ -6,13 +6,16 @@ its config, the arch, the DSL release, the calling convention and a hash of the 
 project module the kernel's module imports, transitively (read as text: nothing is imported).
 Its **symbol**, ``mhc_<hash of the key>``, names it in the shared library it is exported to.
 
-With ``MHC_CACHE_DIR`` set, a kernel compiled on this host (a configuration no wheel ships) is
-exported the same way into that folder, one library per key, and the next process loads it (this
-needs a C compiler, ``cc``, to link; without one nothing is persisted).
+A kernel compiled on this host (a configuration no wheel ships) is exported the same way into the
+on-disk cache, one library per key (``<cache>/kernels/<arch>/<symbol>.so`` with its key and
+signature beside it), and the next process loads it. The cache is ``MHC_CACHE_DIR``, else
+``$XDG_CACHE_HOME/mhc`` or ``~/.cache/mhc`` (``mhc_core.host.native.cache_root``); exporting
+needs a C compiler (``cc``) to link: without one nothing is persisted.
 
 ``tools.export_kernels`` writes, per model package and arch, ``<package>/kernels/<arch>/`` with
 one ``lib<package>_<arch>.so`` (every preset kernel of that arch, TVM-FFI entry points only) and a
-``manifest.json`` listing each kernel's key and symbol. ``lookup`` finds a key in the manifests of
+``manifest.json`` listing each kernel's key, symbol and signature (what the host binds its
+arguments by: ``mhc_core.device.signature.to_json``). ``lookup`` finds a key in the manifests of
 the installed model packages; ``load`` opens the library through ``tvm_ffi`` alone. Loading needs
 the DSL's runtime library (``libcute_dsl_runtime.so``, in the DSL's libs package), which ``load``
 maps first, and never the compiler. A different DSL release, arch, convention or source is a
@@ -40,17 +43,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..device.kernel import KernelSpec
+from ..device.signature import Signature, from_json, to_json
+
 #: The packages whose modules enter a kernel's source hash.
 PROJECT_PACKAGES = ("mhc_core", "mhc_dsv41", "mhc_glm5")
 #: The model packages whose ``kernels/`` folders are searched.
 MODEL_PACKAGES = ("mhc_dsv41", "mhc_glm5")
 MANIFEST = "manifest.json"
-FORMAT = 1
+#: 2: every kernel's entry carries its signature (1: keys only).
+FORMAT = 2
 #: Set to 0 to ignore shipped and cached kernels (every kernel is then compiled, nothing persisted).
 PREBUILT_ENV = "MHC_PREBUILT"
-#: Where kernels compiled on this host persist, one ``<arch>/<symbol>.so`` each. Opt-in for now
-#: (unset: no cache): loading a cached library is not yet run on a GPU.
-CACHE_ENV = "MHC_CACHE_DIR"
 LOG = logging.getLogger("mhc")
 _DSL_DISTRIBUTIONS = ("nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-cu13", "nvidia-cutlass-dsl-libs-cu12")
 
@@ -85,16 +89,23 @@ class KernelKey:
 
 
 def config_text(config: Any) -> str:
-    """A config dataclass (or a dict) as canonical JSON (tuples as lists)."""
-    values = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
-    return json.dumps(values, sort_keys=True)
+    """A config dataclass (or a dict, or a plain value: a test kernel's) as canonical JSON (tuples as lists)."""
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return json.dumps(dataclasses.asdict(config), sort_keys=True)
+    return json.dumps(dict(config) if isinstance(config, dict) else config, sort_keys=True, default=repr)
 
 
 def _module_file(module: str) -> Path | None:
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ModuleNotFoundError, ValueError):  # "module.name" where name is an attribute
-        return None
+    """The source file of ``module``, found without executing any module (a kernel module imports
+    the DSL: hashing its source must not). None for an attribute imported from a module."""
+    import importlib.machinery
+
+    top, *rest = module.split(".")
+    spec = importlib.util.find_spec(top)  # a top-level name: found, not imported
+    for part in rest:
+        if spec is None or spec.submodule_search_locations is None:
+            return None  # ``part`` names something inside a module, not a module
+        spec = importlib.machinery.PathFinder.find_spec(part, list(spec.submodule_search_locations))
     if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
         return None
     return Path(spec.origin)
@@ -141,15 +152,29 @@ def source_hash(module: str) -> str:
 
 
 def kernel_key(kernel: Any, arch: str, convention: str) -> KernelKey:
-    """The key of ``kernel`` (a ``DeviceKernel``: its class and config) on ``arch``."""
-    kind = type(kernel)
-    path = f"{kind.__module__}:{kind.__qualname__}"
-    return KernelKey(path, config_text(kernel.config), arch, dsl_release(), convention, source_hash(kind.__module__))
+    """The key of ``kernel`` (a ``KernelSpec``, or a ``DeviceKernel``: its class and config) on
+    ``arch``, computed without importing the kernel's module."""
+    spec = KernelSpec.of(kernel)
+    module = spec.path.partition(":")[0]
+    return KernelKey(spec.path, config_text(spec.config), arch, dsl_release(), convention, source_hash(module))
+
+
+@dataclass(frozen=True)
+class Found:
+    """A kernel's library (shipped or cached) and its signature."""
+
+    library: Path
+    signature: Signature
 
 
 # ------------------------------------------------------------------ manifests
-def write_manifest(folder: Path, package: str, arch: str, library: str, keys: Iterable[KernelKey]) -> Path:
-    entries = sorted((key.as_dict() | {"symbol": key.symbol} for key in keys), key=lambda entry: entry["symbol"])
+def write_manifest(
+    folder: Path, package: str, arch: str, library: str, kernels: Iterable[tuple[KernelKey, Signature]]
+) -> Path:
+    entries = sorted(
+        (key.as_dict() | {"symbol": key.symbol, "signature": to_json(signature)} for key, signature in kernels),
+        key=lambda entry: entry["symbol"],
+    )
     payload = {"format": FORMAT, "package": package, "arch": arch, "library": library, "kernels": entries}
     path = folder / MANIFEST
     path.write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
@@ -168,46 +193,53 @@ def manifests() -> list[Path]:
     return found
 
 
-def read_manifest(path: Path) -> dict[str, Path]:
-    """symbol -> library path of one manifest ({} for another format)."""
+def read_manifest(path: Path) -> dict[str, Found]:
+    """symbol -> library and signature of one manifest ({} for another format)."""
     payload = json.loads(path.read_text())
     if payload.get("format") != FORMAT:
         return {}
     library = path.parent / payload["library"]
-    return {entry["symbol"]: library for entry in payload["kernels"]}
+    return {entry["symbol"]: Found(library, from_json(entry["signature"])) for entry in payload["kernels"]}
 
 
 @functools.cache
-def _index() -> dict[str, Path]:
-    """symbol -> library path over every manifest (read once per process)."""
-    index: dict[str, Path] = {}
+def _index() -> dict[str, Found]:
+    """symbol -> library and signature over every manifest (read once per process)."""
+    index: dict[str, Found] = {}
     for path in manifests():
         index.update(read_manifest(path))
     return index
 
 
-def lookup(key: KernelKey) -> Path | None:
-    """The library that exports ``key``'s kernel, or None (then it is compiled)."""
+def lookup(key: KernelKey) -> Found | None:
+    """The library that exports ``key``'s kernel (and its signature), or None (then it is compiled)."""
     if os.environ.get(PREBUILT_ENV, "1") == "0":
         return None
     return _index().get(key.symbol)
 
 
 def cache_dir() -> Path | None:
-    """The on-disk cache (``MHC_CACHE_DIR``), or None: off (also with ``MHC_PREBUILT=0``)."""
-    explicit = os.environ.get(CACHE_ENV)
-    if not explicit or os.environ.get(PREBUILT_ENV, "1") == "0":
+    """The on-disk kernel cache, or None: off (``MHC_PREBUILT=0``)."""
+    if os.environ.get(PREBUILT_ENV, "1") == "0":
         return None
-    return Path(explicit)
+    from .native import cache_root
+
+    return cache_root() / "kernels"
 
 
-def cached(key: KernelKey) -> Path | None:
+def cached(key: KernelKey) -> Found | None:
     """The on-disk cache's library for ``key``, if a process on this host compiled it before."""
     folder = cache_dir()
     if folder is None:
         return None
     path = folder / key.arch / f"{key.symbol}.so"
-    return path if path.exists() else None
+    sidecar = path.with_suffix(".json")
+    if not (path.exists() and sidecar.exists()):
+        return None
+    entry = json.loads(sidecar.read_text())
+    if entry.get("format") != FORMAT or entry.get("symbol") != key.symbol:
+        return None
+    return Found(path, from_json(entry["signature"]))
 
 
 @functools.cache
@@ -241,7 +273,7 @@ def load_runtime_globally() -> None:
         ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
 
 
-def persist(key: KernelKey, compiled: Any) -> Path | None:
+def persist(key: KernelKey, compiled: Any, signature: Signature) -> Path | None:
     """Export a kernel compiled here into the on-disk cache; the library's path, or None where it
     cannot be (no ``cc``, a read-only cache, ``MHC_PREBUILT=0``)."""
     import shutil
@@ -261,7 +293,10 @@ def persist(key: KernelKey, compiled: Any) -> Path | None:
             link([obj], partial)
             target = folder / f"{key.symbol}.so"
             os.replace(partial, target)  # atomic: a concurrent process sees all of it or nothing
-        (folder / f"{key.symbol}.json").write_text(json.dumps(key.as_dict(), indent=1, sort_keys=True) + "\n")
+        entry = key.as_dict() | {"format": FORMAT, "symbol": key.symbol, "signature": to_json(signature)}
+        sidecar = Path(str(target.with_suffix(".json")) + ".partial")
+        sidecar.write_text(json.dumps(entry, indent=1, sort_keys=True) + "\n")
+        os.replace(sidecar, target.with_suffix(".json"))  # last: a library without it is never loaded
         return target
     except Exception as error:  # the DSL's export errors share no base class; caching is optional
         LOG.warning("could not cache %s in %s: %s", key.kernel, folder, error)

@@ -9,13 +9,16 @@ Calling convention: every kernel is compiled for TVM-FFI (``--enable-tvm-ffi``, 
 apache-tvm-ffi), whose C entry point checks and packs the arguments and launches; a launch
 then costs a few microseconds of host time against 12-19 for the DSL's default path
 (BENCHMARKS.md). The kernel's PTX is the same either way: only the host wrapper differs.
+
+An op names its kernels by ``KernelSpec`` (the class's ``module:Class`` path and its config,
+plain data): a kernel whose full key an installed model package ships, or an earlier process
+cached, is loaded without importing its class or the DSL (``mhc_core.host.artifacts``); only
+another one imports its class and compiles (the DSL compiler, ``mhc-core[jit]``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.metadata
 import io
 import logging
 import re
@@ -24,17 +27,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import cutlass.cute as cute
 import torch
 
 from ..constants import ARCH_BY_CAPABILITY, SUPPORTED_ARCHS
-from ..device.kernel import DeviceKernel
-from ..device.signature import fake_arguments
+from ..device.kernel import DeviceKernel, KernelSpec
 
-try:
-    DSL_VERSION = importlib.metadata.version("nvidia-cutlass-dsl")
-except importlib.metadata.PackageNotFoundError:  # the GPU host's unpacked bundle
-    DSL_VERSION = "4.8.1-bundle"
+__all__ = ["CompileReport", "CompiledKernel", "KernelSpec", "compile_kernel", "device_arch", "kernel_from_spec"]
+from ..device.signature import Signature
 
 #: Part of every compile key: how the host calls the compiled function (``mhc_core.host.launch``).
 CALLING_CONVENTION = "tvm-ffi"
@@ -73,11 +72,7 @@ def kernel_from_spec(path: str, config: dict[str, Any]) -> DeviceKernel:
     Preset modules list their kernels this way (pure data), so they import
     without the DSL until something is compiled.
     """
-    module_name, _, class_name = path.partition(":")
-    kernel_type = getattr(importlib.import_module(module_name), class_name)
-    if kernel_type.config_type is None:
-        raise TypeError(f"{path} declares no config_type")
-    return kernel_type(kernel_type.config_type(**config))
+    return KernelSpec(path, config).instantiate()
 
 
 @dataclass(frozen=True)
@@ -94,25 +89,29 @@ class CompileReport:
 
 @dataclass
 class CompiledKernel:
-    """A compiled kernel: ``function`` is its TVM-FFI entry point (positional arguments only, as
-    ``mhc_core.host.launch`` converts them), None where it cannot run in this process (compiled
-    for another arch than the DSL's target: a cross-compile); ``compiled`` the DSL's object."""
+    """A kernel ready to launch: ``function`` is its TVM-FFI entry point (positional arguments only,
+    as ``mhc_core.host.programs`` binds them; None where it cannot run in this process: compiled for
+    another arch than the DSL's target, a cross-compile), ``signature`` its parameters. ``kernel``
+    and ``compiled`` (the DSL's object) exist for a kernel compiled here, not for one loaded."""
 
-    kernel: DeviceKernel
+    spec: KernelSpec
     arch: str
-    compiled: Any
+    signature: Signature
+    compiled: Any = None
+    kernel: DeviceKernel | None = None
     ptx: str | None = None
     report: CompileReport = field(default_factory=CompileReport)
-    function: Any = field(init=False, default=None)
+    function: Any = None
 
     def __post_init__(self) -> None:
-        # The bare tvm_ffi.Function: the DSL's wrapper adds a keyword-argument layer per call.
-        entry = getattr(self.compiled, "__tvm_ffi_object__", None)
-        self.function = entry() if entry is not None else None
+        if self.function is None:
+            # The bare tvm_ffi.Function: the DSL's wrapper adds a keyword-argument layer per call.
+            entry = getattr(self.compiled, "__tvm_ffi_object__", None)
+            self.function = entry() if entry is not None else None
 
     def __call__(self, *args: Any) -> None:
         if self.function is None:
-            raise RuntimeError(f"{self.kernel} was compiled for {self.arch}, which this process cannot launch")
+            raise RuntimeError(f"{self.spec} was compiled for {self.arch}, which this process cannot launch")
         self.function(*args)
 
 
@@ -140,69 +139,87 @@ _CACHE: dict[tuple, CompiledKernel] = {}
 
 
 def compile_kernel(
-    kernel: DeviceKernel, arch: str, *, inspect: bool = False, prebuilt: bool = True, persist: bool = False
+    kernel: DeviceKernel | KernelSpec,
+    arch: str,
+    *,
+    inspect: bool = False,
+    prebuilt: bool = True,
+    persist: bool = False,
 ) -> CompiledKernel:
-    """Compile ``kernel`` for ``arch`` (cached per process), or load it from an installed model
-    package's exported kernels when its full key is in their manifests (``mhc_core.host.artifacts``;
-    ``prebuilt=False`` or ``MHC_PREBUILT=0`` always compiles). ``persist=True`` (what the ops pass)
-    exports a kernel compiled here into the on-disk cache for the next process.
+    """``kernel`` (an instance, or a ``KernelSpec``) ready to launch on ``arch``: loaded from an
+    installed model package's exported kernels or the on-disk cache when its full key is there
+    (``mhc_core.host.artifacts``; ``prebuilt=False`` or ``MHC_PREBUILT=0`` always compiles), else
+    compiled (cached per process). ``persist=True`` (what the ops pass) exports a kernel compiled
+    here into the on-disk cache for the next process.
 
     ``inspect=True`` also keeps the PTX and ptxas's register/spill report (always compiled); the
-    key includes it, the arch and the DSL version, so a plain build is never
-    served an inspected one's options or another target's binary.
+    key includes it, the arch and the DSL release, so a plain build is never served an inspected
+    one's options or another target's binary.
     """
+    from . import artifacts
+
     check_arch(arch)
-    kind = (type(kernel).__module__, type(kernel).__qualname__)
-    key = (*kind, kernel.config, arch, DSL_VERSION, CALLING_CONVENTION, inspect, prebuilt)
+    spec = KernelSpec.of(kernel)
+    key = (spec.path, artifacts.config_text(spec.config), arch, artifacts.dsl_release(), CALLING_CONVENTION)
+    key += (inspect, prebuilt)
     cached = _CACHE.get(key)
     if cached is not None:
         return cached
     if prebuilt and not inspect:
-        shipped = _load_shipped(kernel, arch)
+        shipped = _load_shipped(spec, arch)
         if shipped is not None:
             _CACHE[key] = shipped
             return shipped
-    options = f"--gpu-arch {arch} {COMPILE_OPTIONS}"
-    fakes = fake_arguments(kernel.signature())
-    start = time.perf_counter()
-    if inspect:
-        with tempfile.TemporaryDirectory(prefix="mhc-ptx-") as dump:
-            captured = io.StringIO()
-            with contextlib.redirect_stderr(captured):
-                function = cute.compile(
-                    kernel, *fakes, options=f"{options} --keep-ptx --dump-dir {dump} remarks{{ptx}}"
-                )
-            seconds = time.perf_counter() - start
-            compiled = CompiledKernel(
-                kernel, arch, function, ptx=function.__ptx__, report=parse_ptxas_report(captured.getvalue(), seconds)
-            )
-    else:
-        function = cute.compile(kernel, *fakes, options=options)
-        compiled = CompiledKernel(kernel, arch, function, report=CompileReport(seconds=time.perf_counter() - start))
-        if prebuilt and persist:
-            from . import artifacts
-
-            artifacts.persist(artifacts.kernel_key(kernel, arch, CALLING_CONVENTION), function)
+    compiled = _compile(kernel if isinstance(kernel, DeviceKernel) else spec.instantiate(), spec, arch, inspect)
+    if prebuilt and persist and not inspect:
+        artifacts.persist(artifacts.kernel_key(spec, arch, CALLING_CONVENTION), compiled.compiled, compiled.signature)
     _CACHE[key] = compiled
-    LOG.info("compiled %s for %s in %.2f s", kernel, arch, compiled.report.seconds)
+    LOG.info("compiled %s for %s in %.2f s", spec, arch, compiled.report.seconds)
     return compiled
 
 
-def _load_shipped(kernel: DeviceKernel, arch: str) -> CompiledKernel | None:
-    """``kernel`` from the exported libraries, or None (not shipped, or it failed to load)."""
+def _compile(kernel: DeviceKernel, spec: KernelSpec, arch: str, inspect: bool) -> CompiledKernel:
+    """Compile with the DSL (imported here: only a kernel no library ships needs the compiler)."""
+    try:
+        import cutlass.cute as cute
+    except ImportError as error:
+        raise RuntimeError(
+            f"{spec} for {arch}: no installed package ships this kernel and compiling it needs the DSL "
+            "compiler, which is not importable: pip install 'mhc-core[jit]' (or use a preset's configuration)"
+        ) from error
+
+    from ..device.signature import fake_arguments
+
+    options = f"--gpu-arch {arch} {COMPILE_OPTIONS}"
+    signature = kernel.signature()
+    fakes = fake_arguments(signature)
+    start = time.perf_counter()
+    if not inspect:
+        function = cute.compile(kernel, *fakes, options=options)
+        seconds = time.perf_counter() - start
+        return CompiledKernel(spec, arch, signature, function, kernel, report=CompileReport(seconds=seconds))
+    with tempfile.TemporaryDirectory(prefix="mhc-ptx-") as dump:
+        captured = io.StringIO()
+        with contextlib.redirect_stderr(captured):
+            function = cute.compile(kernel, *fakes, options=f"{options} --keep-ptx --dump-dir {dump} remarks{{ptx}}")
+        report = parse_ptxas_report(captured.getvalue(), time.perf_counter() - start)
+        return CompiledKernel(spec, arch, signature, function, kernel, ptx=function.__ptx__, report=report)
+
+
+def _load_shipped(spec: KernelSpec, arch: str) -> CompiledKernel | None:
+    """``spec``'s kernel from the exported libraries or the cache, or None (then it is compiled)."""
     from . import artifacts
 
-    full_key = artifacts.kernel_key(kernel, arch, CALLING_CONVENTION)
-    library = artifacts.lookup(full_key) or artifacts.cached(full_key)
-    if library is None:
+    full_key = artifacts.kernel_key(spec, arch, CALLING_CONVENTION)
+    found = artifacts.lookup(full_key) or artifacts.cached(full_key)
+    if found is None:
         return None
     start = time.perf_counter()
     try:
-        function = artifacts.load(full_key, library)
+        function = artifacts.load(full_key, found.library)
     except Exception as error:  # a broken install: say so, and compile instead
-        LOG.warning("could not load %s from %s (%s): compiling it", kernel, library, error)
+        LOG.warning("could not load %s from %s (%s): compiling it", spec, found.library, error)
         return None
-    loaded = CompiledKernel(kernel, arch, None, report=CompileReport(seconds=time.perf_counter() - start))
-    loaded.function = function
-    LOG.info("loaded %s for %s from %s in %.3f s", kernel, arch, library, loaded.report.seconds)
-    return loaded
+    seconds = time.perf_counter() - start
+    LOG.info("loaded %s for %s from %s in %.3f s", spec, arch, found.library, seconds)
+    return CompiledKernel(spec, arch, found.signature, function=function, report=CompileReport(seconds=seconds))

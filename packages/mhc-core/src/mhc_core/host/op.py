@@ -33,12 +33,16 @@ from typing import Any, NoReturn
 
 import torch
 
-from ..device import protocol
-from ..device.kernel import DeviceKernel
-from ..device.publish import FinalizePublishKernel, PublishConfig, PublishKernel
+from ..device.configs import (
+    FINALIZE_PUBLISH_KERNEL,
+    PUBLISH_KERNEL,
+    STORE_MULTICAST,
+    STORE_UNICAST,
+    PublishConfig,
+)
 from . import library
 from .calls import ROWS, M, Rule, TensorRule, check_call, tensor
-from .compiler import LOG, CompiledKernel, compile_kernel, device_arch
+from .compiler import LOG, CompiledKernel, KernelSpec, compile_kernel, device_arch
 from .groups import SUPPORTED_TP, normalize_device, resolve_group
 from .mailbox import LamportMailbox, mailbox_elements, resolve_transport
 from .moe import MoEOutput
@@ -131,7 +135,7 @@ class LamportOp:
         self.transport = resolve_transport(transport, self.group)
         self.check_routes = bool(check_routes)
         self._timeout_ms = resolve_timeout_ms(spin_timeout_ms)
-        store = protocol.STORE_MULTICAST if self.transport == "multicast" else protocol.STORE_UNICAST
+        store = STORE_MULTICAST if self.transport == "multicast" else STORE_UNICAST
         common: dict[str, Any] = dict(
             hidden=hidden_size, tp=self.tp, threads=publish_threads, trigger=publish_trigger, store=store
         )
@@ -150,16 +154,18 @@ class LamportOp:
         self.arch = device_arch(self.device)
         self.spin = SpinGuard(self.tp, self._timeout_ms, self.device, self.rank)
         self._order = CallOrder(self.device)
-        self._publish_kernel = self._compile(PublishKernel(self._publish_config))
+        self._publish_kernel = self._compile(KernelSpec(PUBLISH_KERNEL, self._publish_config))
         self._finalize_kernels: dict[torch.dtype, CompiledKernel] = {
-            dtype: self._compile(FinalizePublishKernel(config)) for dtype, config in self._finalize_configs.items()
+            dtype: self._compile(KernelSpec(FINALIZE_PUBLISH_KERNEL, config))
+            for dtype, config in self._finalize_configs.items()
         }
 
     # ------------------------------------------------------------ construction
-    def _compile(self, kernel: DeviceKernel) -> CompiledKernel:
+    def _compile(self, spec: KernelSpec) -> CompiledKernel:
+        """Load the kernel (shipped or cached: no DSL import), else compile it and persist it into the
+        on-disk cache (``mhc_core.host.artifacts``) for the next process."""
         with torch.cuda.device(self.device):
-            # persist: into the on-disk cache (mhc_core.host.artifacts), for the next process.
-            return compile_kernel(kernel, self.arch, persist=True)
+            return compile_kernel(spec, self.arch, persist=True)
 
     def _setup(self) -> None:
         """Allocate the mailbox (collective), bind the programs, warm up (collective)."""
@@ -247,13 +253,13 @@ class LamportOp:
         fixed = self._publish_fixed()
         publish = Launch(
             [self._publish_kernel.function],
-            self._publish_kernel.kernel.signature(),
+            self._publish_kernel.signature,
             dict(fixed, x=Pointer("x")),
         )
         finalize = {
             dtype: Launch(
                 [kernel.function],
-                kernel.kernel.signature(),
+                kernel.signature,
                 dict(
                     fixed,
                     gemm2=Pointer("gemm2_permuted"),
@@ -287,7 +293,7 @@ class LamportOp:
 
     def _publish_input(
         self, x: object, moe_programs: dict[torch.dtype, Program], plain: Program
-    ) -> tuple[Program, tuple]:
+    ) -> tuple[Program, tuple[Any, ...]]:
         """The program for a publish input (a tensor, or a ``MoEOutput`` by its weights' dtype)
         and the values it takes."""
         if not isinstance(x, MoEOutput):
@@ -295,11 +301,11 @@ class LamportOp:
         values = tuple(getattr(x, name) for name in MOE_FIELDS)
         return self._moe_program(moe_programs, x.expert_weights, values), values
 
-    def _moe_program(self, programs: dict[torch.dtype, Program], weights: object, values: tuple) -> Program:
+    def _moe_program(self, programs: dict[torch.dtype, Program], weights: object, values: tuple[Any, ...]) -> Program:
         """The program for MoE input with routing weights ``weights`` (a clear error for any other)."""
         if not self.top_k:
             raise TypeError("x: this op was built with top_k = 0 and cannot take a MoEOutput")
-        program = programs.get(getattr(weights, "dtype", None))
+        program = programs.get(getattr(weights, "dtype", None))  # type: ignore[arg-type]
         if program is None:  # an unaccepted dtype (or no tensor): the rules say which
             self._explain(next(iter(programs.values())), values, rules=self._programs.moe_rules[: len(MOE_FIELDS)])
         return program
@@ -328,7 +334,7 @@ class LamportOp:
         raise AssertionError("a rejected call whose arguments pass every rule")
 
     @staticmethod
-    def _outputs(out: Any, program: Program) -> tuple:
+    def _outputs(out: Any, program: Program) -> tuple[Any, ...]:
         """The caller's outputs, as many as the program writes (a clear error otherwise)."""
         count = len(program.outputs)
         if count <= 1:
@@ -338,7 +344,7 @@ class LamportOp:
             raise TypeError(f"out: expected a ({names}) tuple of {count} tensors")
         return tuple(out)
 
-    def _allocate(self, like: Any, values: tuple, m: int) -> tuple[torch.Tensor, ...]:
+    def _allocate(self, like: Any, values: tuple[Any, ...], m: int) -> tuple[torch.Tensor, ...]:
         """New outputs for a call whose publish input is ``like`` (x or the MoE shared output; None
         for a collect, then M is ``m``) and whose collect values are ``values``. Allocated by torch
         (``empty_like`` of an input of the same shape and dtype where there is one: the cheapest
@@ -360,11 +366,11 @@ class LamportOp:
     def _run(
         self,
         program: Program,
-        values: tuple,
+        values: tuple[Any, ...],
         out: Any,
         *,
         like: Any = None,
-        collect: tuple = (),
+        collect: tuple[Any, ...] = (),
         m: int = -1,
         flags: int = 0,
         variant: int = -1,
@@ -375,7 +381,7 @@ class LamportOp:
         checked, then the launches (nothing launched on bad input); the outputs, or M for a program
         without any. ``collect``: the collect values among ``values`` (what outputs are shaped by)."""
         if not program.outputs:
-            outputs: tuple = ()
+            outputs: tuple[Any, ...] = ()
         elif out is None:
             try:
                 outputs = self._allocate(like, collect, m)
@@ -395,7 +401,7 @@ class LamportOp:
             self._launched(capture, values, outputs)
         return outputs if program.outputs else m
 
-    def _check(self, program: Program, values: tuple, out: Any, *, m: int = -1, rules: Any = None) -> int:
+    def _check(self, program: Program, values: tuple[Any, ...], out: Any, *, m: int = -1, rules: Any = None) -> int:
         """Validate a program's values (and ``out``) without launching; M."""
         outputs = program.no_outputs if out is None else self._outputs(out, program)
         try:
@@ -404,7 +410,7 @@ class LamportOp:
             given = outputs if out is not None else None
             self._explain(program, values, None if m < 0 else m, given, rules=rules, error=error)
 
-    def _call(self, x: object, values: tuple, out: Any) -> Any:
+    def _call(self, x: object, values: tuple[Any, ...], out: Any) -> Any:
         """One eager call (``__call__``) with a publish input ``x``: the hot path."""
         if self._closed or not self._peers_ready:
             self._check_usable()
@@ -413,7 +419,7 @@ class LamportOp:
         fields = (x.shared_output, x.gemm2_permuted, x.expert_weights, x.expanded_idx_to_permuted_idx)
         return self._call_moe(fields, values, out)
 
-    def _call_moe(self, fields: tuple, values: tuple, out: Any) -> Any:
+    def _call_moe(self, fields: tuple[Any, ...], values: tuple[Any, ...], out: Any) -> Any:
         """One eager call with MoE input: ``fields`` in ``MOE_FIELDS`` order."""
         if self._closed or not self._peers_ready:
             self._check_usable()
@@ -421,7 +427,9 @@ class LamportOp:
         program = self._moe_program(programs.call_moe, fields[2], fields)
         return self._launch_call(program, fields + values, fields[0], values, out, programs.moe_rules)
 
-    def _launch_call(self, program: Program, values: tuple, like: Any, collect: tuple, out: Any, rules: Any) -> Any:
+    def _launch_call(
+        self, program: Program, values: tuple[Any, ...], like: Any, collect: tuple[Any, ...], out: Any, rules: Any
+    ) -> Any:
         self.spin.check()
         if self._pending_m is not None:
             raise RuntimeError("a publish() is pending; call collect() first")
@@ -515,7 +523,7 @@ class LamportOp:
             self._order.cancel()
             raise
 
-    def _collect_pending(self, values: tuple, out: Any, after_publish: bool) -> Any:
+    def _collect_pending(self, values: tuple[Any, ...], out: Any, after_publish: bool) -> Any:
         """Validate and launch the collective for the pending publish's M."""
         self._check_usable()
         if self._pending_m is None:
@@ -529,7 +537,7 @@ class LamportOp:
         self._order.end()
         return self._returns(outputs)
 
-    def _plan_values(self, method: str, *args: Any, **kwargs: Any) -> tuple[object, tuple, Any]:
+    def _plan_values(self, method: str, *args: Any, **kwargs: Any) -> tuple[object, tuple[Any, ...], Any]:
         """(publish input, collect values, out) of a ``method`` call's arguments."""
         raise NotImplementedError
 
@@ -552,13 +560,16 @@ class LamportOp:
         self._check(programs.collect, values, out, m=m)
         return self._plan(m, (publish, inputs), dict(program=programs.collect, values=values, m=m), values, out)
 
-    def _plan(self, m: int, publish: tuple | None, collect: dict[str, Any], values: tuple, out: Any) -> Plan:
+    def _plan(
+        self, m: int, publish: tuple[Any, ...] | None, collect: dict[str, Any], values: tuple[Any, ...], out: Any
+    ) -> Plan:
         order = self._order
 
         def run_publish() -> None:
             capture = order.begin()
             if publish is not None:
-                self._run(*publish, None, capture=capture)
+                program, inputs = publish
+                self._run(program, inputs, None, capture=capture)
 
         def run_collect(after_publish: bool) -> Any:
             flags = AFTER_PUBLISH_FLAG if after_publish else 0
@@ -572,7 +583,7 @@ class LamportOp:
         return Plan(m, run_publish, run_collect)
 
     # ---------------------------------------------------------------- warm-up
-    def _warmup_collects(self) -> Sequence[tuple[tuple, int]]:
+    def _warmup_collects(self) -> Sequence[tuple[tuple[Any, ...], int]]:
         """``(collect values, variant)`` at M = 1 for each collective kernel, for the warm-up."""
         raise NotImplementedError
 
@@ -581,7 +592,7 @@ class LamportOp:
         op's group drives at construction (every rank's publish, then every rank's collective),
         so that no kernel is launched for the first time behind a spinning one."""
         hidden, device, programs = self.hidden_size, self.device, self._programs
-        publishes: list[tuple[Program, tuple]] = [
+        publishes: list[tuple[Program, tuple[Any, ...]]] = [
             (programs.publish, (torch.zeros(1, hidden, dtype=torch.bfloat16, device=device),))
         ]
         for dtype, program in programs.publish_moe.items():
@@ -595,9 +606,10 @@ class LamportOp:
         collects = list(self._warmup_collects())
         rounds = max(len(publishes), len(collects))
 
-        def launcher(publish: tuple[Program, tuple], collect: tuple[tuple, int]) -> Plan:
+        def launcher(publish: tuple[Program, tuple[Any, ...]], collect: tuple[tuple[Any, ...], int]) -> Plan:
             def run_publish() -> None:
-                self._run(*publish, None)
+                program, inputs = publish
+                self._run(program, inputs, None)
 
             def run_collect(after_publish: bool) -> Any:
                 values, variant = collect

@@ -59,11 +59,27 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
     "sm_90a": {
         "publish": (
             "mhc_core.device.publish:PublishKernel",
-            {"hidden": 5120, "tp": 4, "threads": 128, "trigger": "after_stores", "store": "unicast"},
+            {
+                "hidden": 5120,
+                "tp": 4,
+                "threads": 128,
+                "trigger": "after_stores",
+                "store": "unicast",
+                "top_k": 0,
+                "weights": "float32",
+            },
         ),
         "publish_multicast": (
             "mhc_core.device.publish:PublishKernel",
-            {"hidden": 5120, "tp": 4, "threads": 128, "trigger": "after_stores", "store": "multicast"},
+            {
+                "hidden": 5120,
+                "tp": 4,
+                "threads": 128,
+                "trigger": "after_stores",
+                "store": "multicast",
+                "top_k": 0,
+                "weights": "float32",
+            },
         ),
         "finalize": (
             "mhc_core.device.publish:FinalizePublishKernel",

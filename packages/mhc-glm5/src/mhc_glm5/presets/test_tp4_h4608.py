@@ -63,11 +63,27 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
     "sm_90a": {
         "publish": (
             "mhc_core.device.publish:PublishKernel",
-            {"hidden": 4608, "tp": 4, "threads": 128, "trigger": "after_wait", "store": "unicast"},
+            {
+                "hidden": 4608,
+                "tp": 4,
+                "threads": 128,
+                "trigger": "after_wait",
+                "store": "unicast",
+                "top_k": 0,
+                "weights": "float32",
+            },
         ),
         "publish_multicast": (
             "mhc_core.device.publish:PublishKernel",
-            {"hidden": 4608, "tp": 4, "threads": 128, "trigger": "after_wait", "store": "multicast"},
+            {
+                "hidden": 4608,
+                "tp": 4,
+                "threads": 128,
+                "trigger": "after_wait",
+                "store": "multicast",
+                "top_k": 0,
+                "weights": "float32",
+            },
         ),
         "finalize_float32": (
             "mhc_core.device.publish:FinalizePublishKernel",
@@ -103,6 +119,7 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "hc_eps": 1e-06,
                 "norm_eps": 1e-05,
                 "mixed_fma": False,
+                "tokens": 1,
             },
         ),
         "boundary_x2": (

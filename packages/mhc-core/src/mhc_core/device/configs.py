@@ -1,0 +1,102 @@
+"""The compile-time constants of mhc-core's kernels, in plain Python (no DSL): what the host builds a
+kernel's key from and checks before anything compiles, and what the kernel modules compile.
+
+``PublishConfig`` (the publish kernels, ``mhc_core.device.publish``), ``CollectiveConfig`` (the plain
+collective, ``mhc_core.device.collective``), the publish's destination kinds and PDL triggers, and
+the kernel classes' paths (``module:Class``) that ``mhc_core.device.kernel.KernelSpec`` names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..constants import VEC_BF16
+
+#: Destination kinds of a publish: peer pointers, the multicast address, or the
+#: multicast addressing with a plain store to the local mailbox (a debug variant
+#: that checks the multicast path's addresses on hosts where multicast must not run).
+STORE_UNICAST = "unicast"
+STORE_MULTICAST = "multicast"
+STORE_MULTICAST_LOCAL = "multicast_local"
+STORE_KINDS = (STORE_UNICAST, STORE_MULTICAST, STORE_MULTICAST_LOCAL)
+
+TRIGGER_AFTER_WAIT = "after_wait"
+TRIGGER_AFTER_STORES = "after_stores"
+TRIGGERS = (TRIGGER_AFTER_WAIT, TRIGGER_AFTER_STORES)
+WEIGHT_DTYPES = ("float32", "bfloat16")
+
+PUBLISH_KERNEL = "mhc_core.device.publish:PublishKernel"
+FINALIZE_PUBLISH_KERNEL = "mhc_core.device.publish:FinalizePublishKernel"
+COLLECTIVE_KERNEL = "mhc_core.device.collective:CollectiveKernel"
+
+
+@dataclass(frozen=True, slots=True)
+class PublishConfig:
+    """Compile-time constants of a publish kernel (plain when ``top_k`` is 0)."""
+
+    hidden: int
+    tp: int
+    threads: int = 128
+    trigger: str = TRIGGER_AFTER_STORES
+    store: str = STORE_UNICAST
+    top_k: int = 0
+    weights: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.hidden <= 0 or self.hidden % VEC_BF16:
+            raise ValueError(f"hidden: expected a positive multiple of {VEC_BF16}, got {self.hidden}")
+        if self.tp not in (1, 2, 4, 8):
+            raise ValueError(f"tp: expected 1, 2, 4 or 8, got {self.tp}")
+        if self.threads <= 0 or self.threads % 32 or self.threads > 1024:
+            raise ValueError(f"threads: expected a multiple of 32 in [32, 1024], got {self.threads}")
+        if self.trigger not in TRIGGERS:
+            raise ValueError(f"trigger: expected one of {TRIGGERS}, got {self.trigger!r}")
+        if self.store not in STORE_KINDS:
+            raise ValueError(f"store: expected one of {STORE_KINDS}, got {self.store!r}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k: expected >= 0, got {self.top_k}")
+        if self.weights not in WEIGHT_DTYPES:
+            raise ValueError(f"weights: expected one of {WEIGHT_DTYPES}, got {self.weights!r}")
+
+    @property
+    def fragments(self) -> int:
+        return self.hidden // VEC_BF16
+
+    @property
+    def ctas_per_token(self) -> int:
+        return -(-self.fragments // self.threads)
+
+    @property
+    def destinations(self) -> int:
+        """Entries of the destination table: every peer, or one multicast address."""
+        return self.tp if self.store == STORE_UNICAST else 1
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveConfig:
+    hidden: int
+    tp: int
+    threads: int = 128
+    lanes: int = 1
+
+    def __post_init__(self) -> None:
+        if self.hidden <= 0 or self.hidden % VEC_BF16:
+            raise ValueError(f"hidden: expected a positive multiple of {VEC_BF16}, got {self.hidden}")
+        if self.tp not in (1, 2, 4, 8):
+            raise ValueError(f"tp: expected 1, 2, 4 or 8, got {self.tp}")
+        if self.lanes not in (1, 2, 4, 8):
+            raise ValueError(f"lanes: expected 1, 2, 4 or 8, got {self.lanes}")
+        if self.threads <= 0 or self.threads % 32 or self.threads > 1024:
+            raise ValueError(f"threads: expected a multiple of 32 in [32, 1024], got {self.threads}")
+
+    @property
+    def fragments(self) -> int:
+        return self.hidden // VEC_BF16
+
+    @property
+    def groups_per_cta(self) -> int:
+        return self.threads // self.lanes
+
+    @property
+    def ctas_per_token(self) -> int:
+        return -(-self.fragments // self.groups_per_cta)
