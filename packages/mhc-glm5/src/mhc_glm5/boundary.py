@@ -39,6 +39,7 @@ when the kernel right before is the publish (``prefetch``).
 
 from __future__ import annotations
 
+from collections import namedtuple
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -118,6 +119,17 @@ def boundary_signature() -> Signature:
     )
 
 
+#: The device entry's arguments by name (``boundary_signature`` without the stream, which only
+#: the launch takes): what every boundary kernel's ``body`` reads, so the three kernels share one
+#: parameter list. A named tuple, not a frozen dataclass: the DSL carries through a dynamic ``if``
+#: or loop every name on which the region calls a method (``args.x.toint()``), and rebuilds a
+#: carried ``cute.Tensor`` after it, reading its iterator anew; the tuple is carried like the
+#: kernels' separate parameters were, where a frozen dataclass is never carried and moved those
+#: reads (14 of the 43 sm_90a preset kernels' PTX changed). A ``body`` calls no method on an
+#: argument inside a region where the kernel it came from did not.
+BoundaryArgs = namedtuple("BoundaryArgs", [param.name for param in boundary_signature() if param.name != "stream"])
+
+
 @cute.jit
 def load_fn_rows(fn: cute.Pointer, lane: Int32, column: Int64, hidden: cutlass.Constexpr[int]) -> cute.Tensor:
     """The 24 ``fn`` fragments this lane multiplies with stream ``lane``: ``[24, 4]`` words."""
@@ -178,8 +190,9 @@ def collapse_streams(stream: cute.TensorSSA, pre: Float32) -> cute.TensorSSA:
 
 
 class BoundaryKernel(DeviceKernel):
-    """One cluster per ``config.tokens`` tokens (1 here; ``GroupBoundaryKernel`` takes more and
-    overrides ``kernel`` and ``shared_bytes``)."""
+    """One cluster per ``config.tokens`` tokens (1 here; ``GroupBoundaryKernel`` and
+    ``MmaGroupBoundaryKernel`` take more and override ``body``, ``shared_bytes`` and, the latter,
+    ``block_threads``)."""
 
     name = "boundary"
     config_type = BoundaryConfig
@@ -235,6 +248,17 @@ class BoundaryKernel(DeviceKernel):
         arrivals: cute.Tensor,
         m: Int32,
     ):
+        """The device entry of all three boundary kernels (one parameter list, so one PTX signature);
+        each class's ``body`` is its device code."""
+        self.body(
+            BoundaryArgs(
+                residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input, x, prefetch,
+                direct, mailbox, stage_state, capacity, spin_limit_ns, error_flag, arrivals, m,
+            )
+        )  # fmt: skip
+
+    @cute.jit
+    def body(self, args: BoundaryArgs):
         config = self.config
         hidden, tp, cluster, groups = config.hidden, config.tp, config.cluster_size, config.groups_per_cta
         tidx, _, _ = cute.arch.thread_idx()
@@ -244,51 +268,54 @@ class BoundaryKernel(DeviceKernel):
         fragment = cluster_rank * config.groups_per_cta + tidx // HC
         column = Int64(fragment) * VEC_BF16
 
-        from_x = protocol.reads_x(direct, tp)
+        from_x = protocol.reads_x(args.direct, tp)
 
         smem = cutlass.memory.SmemAllocator()
         fn_staged, fn_barrier = fn_stage.allocate(smem, groups, FN_ROTATION_STREAMS)
 
-        if (prefetch == Int32(0)) | from_x:
+        if (args.prefetch == Int32(0)) | from_x:
             cute.arch.griddepcontrol_wait()
         # The stage and the error word first: the poll needs the stage, and a direct read's poison
         # select the error word, so their load is in flight while the prologue is issued.
-        stage, poisoned = protocol.stage_before_wait(stage_state)
+        stage, poisoned = protocol.stage_before_wait(args.stage_state)
         fn_stage.arm(fn_barrier, fn_stage.slice_bytes(groups))
         # The barrier is initialised before any copy names it.
         cute.arch.barrier()
         fn_stage.copy(
-            fn, fn_staged, fn_barrier, cluster_rank * groups, groups, FN_ROTATION_STREAMS, hidden, config.threads
+            args.fn, fn_staged, fn_barrier, cluster_rank * groups, groups, FN_ROTATION_STREAMS, hidden, config.threads
         )
         streams = cute.make_rmem_tensor(cute.make_layout((HC, 4), stride=(4, 1)), Uint32)
         for source in cutlass.range_constexpr(HC):
             element = (Int64(token) * HC + source) * hidden + column
-            streams[source, None].store(ptx.load_u32x4(residual.toint() + element * 2))
-        gamma_words = ptx.load_u32x4(gamma.toint() + column * 2)
-        post_j = cute.arch.load((post + Int64(token) * HC + Int64(lane)).llvm_ptr, Float32)
+            streams[source, None].store(ptx.load_u32x4(args.residual.toint() + element * 2))
+        gamma_words = ptx.load_u32x4(args.gamma.toint() + column * 2)
+        post_j = cute.arch.load((args.post + Int64(token) * HC + Int64(lane)).llvm_ptr, Float32)
         comb_j = cute.make_rmem_tensor(cute.make_layout((HC,)), Float32)
         for source in cutlass.range_constexpr(HC):
-            comb_j[source] = cute.arch.load((comb + (Int64(token) * HC + source) * HC + Int64(lane)).llvm_ptr, Float32)
+            comb_j[source] = cute.arch.load(
+                (args.comb + (Int64(token) * HC + source) * HC + Int64(lane)).llvm_ptr, Float32
+            )
 
         # Polled before the PDL wait (Lamport slots need no ordering); the wait comes before the
         # first output store, as an output may alias what the publish reads.
         polled = Boolean(True)
         reduced = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
         if from_x:
-            reduced.store(ptx.words_to_f32x8(protocol.load_x(x, token, column, hidden)))
+            reduced.store(ptx.words_to_f32x8(protocol.load_x(args.x, token, column, hidden)))
             polled = Boolean(False)
             if poisoned:
                 # A direct read's poison (the mailbox path's is in its poll): x reads as NaN.
                 reduced.fill(Float32(float("nan")))
         else:
-            mailbox_base = mailbox.iterator.toint()
-            counter = (token == 0) & (cluster_rank == 0) & (tidx == 0) & (spin_limit_ns > Int64(0))
+            mailbox_base = args.mailbox.iterator.toint()
+            counter = (token == 0) & (cluster_rank == 0) & (tidx == 0) & (args.spin_limit_ns > Int64(0))
             poisoned = protocol.poll_and_sum(
-                reduced, mailbox_base, stage, token, fragment, lane, True, tp, HC, capacity, hidden,
-                spin_limit_ns, error_flag, stage_state.iterator.toint(), poisoned, tp > 1, counter, m,
+                reduced, mailbox_base, stage, token, fragment, lane, True, tp, HC, args.capacity, hidden,
+                args.spin_limit_ns, args.error_flag, args.stage_state.iterator.toint(), poisoned, tp > 1, counter,
+                args.m,
             )  # fmt: skip
             protocol.rearm_slots(
-                mailbox_base, stage, token, token, fragment, lane, poisoned == Boolean(False), 1, tp, HC, capacity,
+                mailbox_base, stage, token, token, fragment, lane, poisoned == Boolean(False), 1, tp, HC, args.capacity,
                 hidden,
             )  # fmt: skip
         cute.arch.griddepcontrol_launch_dependents()
@@ -322,12 +349,14 @@ class BoundaryKernel(DeviceKernel):
 
         rstd = mixes_rstd(totals, hidden, config.rms_eps)
         if (cluster_rank == 0) & (tidx == 0):
-            write_raw_mixes(totals, rstd, mixes_out, token)
+            write_raw_mixes(totals, rstd, args.mixes_out, token)
         cute.arch.griddepcontrol_wait()
         output = (Int64(token) * HC + Int64(lane)) * hidden + column
-        ptx.store_u32x4(residual_out.toint() + output * 2, stream_words)
+        ptx.store_u32x4(args.residual_out.toint() + output * 2, stream_words)
         mix = cute.arch.load((totals + lane).llvm_ptr, Float32) * rstd
-        prenorm_words = collapse_streams(stream_words, pre_mix(mix, scale, base, lane, Float32(config.hc_eps)))
+        prenorm_words = collapse_streams(
+            stream_words, pre_mix(mix, args.scale, args.base, lane, Float32(config.hc_eps))
+        )
 
         square = cute.make_rmem_tensor(cute.make_layout((1,)), Float32)
         square[0] = Float32(0.0)
@@ -339,6 +368,6 @@ class BoundaryKernel(DeviceKernel):
         if lane == 0:
             prenorm = ptx.words_to_f32x8(prenorm_words)
             result = prenorm * inv_rms * ptx.words_to_f32x8(gamma_words)
-            ptx.store_u32x4(layer_input.toint() + (Int64(token) * hidden + column) * 2, ptx.f32x8_to_words(result))
+            ptx.store_u32x4(args.layer_input.toint() + (Int64(token) * hidden + column) * 2, ptx.f32x8_to_words(result))
         leader = (cluster_rank == 0) & (tidx == 0) & polled & (poisoned == Boolean(False))
-        protocol.advance_stage_after_all(stage_state, arrivals, stage, m, leader)
+        protocol.advance_stage_after_all(args.stage_state, args.arrivals, stage, args.m, leader)

@@ -28,7 +28,9 @@ from cutlass import Boolean, Float32, Int32, Int64, Uint32
 from mhc_core.constants import NAN_BF16_PAIR, VEC_BF16, WARP_SIZE
 from mhc_core.device import protocol, ptx, reduce
 
+from . import stages
 from .boundary import (
+    BoundaryArgs,
     BoundaryConfig,
     BoundaryKernel,
     collapse_streams,
@@ -56,30 +58,8 @@ class GroupBoundaryKernel(BoundaryKernel):
     def shared_bytes(self) -> int:
         return grouped_shared_bytes(self.config.hidden, self.config.cluster_size, self.config.tokens)
 
-    @cute.kernel
-    def kernel(
-        self,
-        residual: cute.Pointer,
-        post: cute.Pointer,
-        comb: cute.Pointer,
-        fn: cute.Pointer,
-        scale: cute.Pointer,
-        base: cute.Pointer,
-        gamma: cute.Pointer,
-        residual_out: cute.Pointer,
-        mixes_out: cute.Pointer,
-        layer_input: cute.Pointer,
-        x: cute.Pointer,
-        prefetch: Int32,
-        direct: Int32,
-        mailbox: cute.Tensor,
-        stage_state: cute.Tensor,
-        capacity: Int32,
-        spin_limit_ns: Int64,
-        error_flag: Int64,
-        arrivals: cute.Tensor,
-        m: Int32,
-    ):
+    @cute.jit
+    def body(self, args: BoundaryArgs):
         config = self.config
         hidden, tp, cluster, tokens = config.hidden, config.tp, config.cluster_size, config.tokens
         groups, warps, threads = config.groups_per_cta, config.warps, config.threads
@@ -93,9 +73,9 @@ class GroupBoundaryKernel(BoundaryKernel):
         fragment = cluster_rank * groups + local
         column = Int64(fragment) * VEC_BF16
         first = group * tokens
-        last = m - 1
+        last = args.m - 1
 
-        from_x = protocol.reads_x(direct, tp)
+        from_x = protocol.reads_x(args.direct, tp)
 
         smem = cutlass.memory.SmemAllocator()
         staged = smem.allocate_array(Uint32, tokens * HC * groups * 4, byte_alignment=16)
@@ -106,36 +86,25 @@ class GroupBoundaryKernel(BoundaryKernel):
         warp_sums2 = smem.allocate_array(Float32, tokens * warps)
         cluster_sums2 = smem.allocate_array(Float32, tokens * cluster)
 
-        if (prefetch == Int32(0)) | from_x:
+        if (args.prefetch == Int32(0)) | from_x:
             cute.arch.griddepcontrol_wait()
         # The stage and the error word first: the poll needs the stage, and a direct read's poison
         # select the error word, so their load is in flight while the prologue is issued.
-        stage, poisoned = protocol.stage_before_wait(stage_state)
+        stage, poisoned = protocol.stage_before_wait(args.stage_state)
         # The post-mix's inputs are requested before fn (``mhc_glm5.boundary``).
         kept = cute.make_rmem_tensor(cute.make_layout((tokens, waves, 4), stride=(waves * 4, 4, 1)), Uint32)
         if from_x:
             for t in cutlass.range_constexpr(tokens):
-                kept[t, 0, None].store(protocol.load_x(x, cutlass.min(first + t, last), column, hidden))
+                kept[t, 0, None].store(protocol.load_x(args.x, cutlass.min(first + t, last), column, hidden))
         sources = cute.make_rmem_tensor(cute.make_layout((tokens, 4), stride=(4, 1)), Uint32)
         for t in cutlass.range_constexpr(tokens):
             element = (Int64(cutlass.min(first + t, last)) * HC + Int64(lane)) * hidden + column
-            sources[t, None].store(ptx.load_u32x4(residual.toint() + element * 2))
-        fn_rows = load_fn_rows(fn, lane, column, hidden)
-        gamma_words = ptx.load_u32x4(gamma.toint() + column * 2)
+            sources[t, None].store(ptx.load_u32x4(args.residual.toint() + element * 2))
+        fn_rows = load_fn_rows(args.fn, lane, column, hidden)
+        gamma_words = ptx.load_u32x4(args.gamma.toint() + column * 2)
         for t in cutlass.range_constexpr(tokens):
             ptx.store_shared_u32x4(staged + ((t * HC + lane) * groups + local) * 4, sources[t, None].load())
-        for trip in cutlass.range_constexpr(-(-(tokens * MIX_INPUTS) // threads)):
-            index = tidx + trip * threads
-            if index < Int32(tokens * MIX_INPUTS):
-                t = index // MIX_INPUTS
-                j = index % MIX_INPUTS
-                row = Int64(cutlass.min(first + t, last))
-                value = Float32(0.0)
-                if j < Int32(HC):
-                    value = cute.arch.load((post + row * HC + Int64(j)).llvm_ptr, Float32)
-                else:
-                    value = cute.arch.load((comb + row * (HC * HC) + Int64(j - HC)).llvm_ptr, Float32)
-                cute.arch.store((mix_inputs + index).llvm_ptr, value)
+        stages.stage_mix_inputs(args.post, args.comb, mix_inputs, first, last, tokens, threads, False)
         cute.arch.barrier()
 
         # Polled before the PDL wait; the wait comes before the first output store (``boundary``).
@@ -145,11 +114,12 @@ class GroupBoundaryKernel(BoundaryKernel):
             if poisoned:
                 kept.fill(Uint32(NAN_BF16_PAIR))
         else:
-            mailbox_base = mailbox.iterator.toint()
-            counter = (group == 0) & (cluster_rank == 0) & (tidx == 0) & (spin_limit_ns > Int64(0))
+            mailbox_base = args.mailbox.iterator.toint()
+            counter = (group == 0) & (cluster_rank == 0) & (tidx == 0) & (args.spin_limit_ns > Int64(0))
             poisoned = protocol.poll_slots(
-                kept, mailbox_base, stage, first, last, fragment, lane, True, tokens, tp, HC, capacity, hidden,
-                spin_limit_ns, error_flag, stage_state.iterator.toint(), poisoned, 1, 0, tp > 1, counter, m,
+                kept, mailbox_base, stage, first, last, fragment, lane, True, tokens, tp, HC, args.capacity, hidden,
+                args.spin_limit_ns, args.error_flag, args.stage_state.iterator.toint(), poisoned, 1, 0, tp > 1, counter,
+                args.m,
             )  # fmt: skip
             # Lanes leave the poll at different times; the shuffles below need the warp converged.
             cute.arch.sync_warp()
@@ -161,7 +131,7 @@ class GroupBoundaryKernel(BoundaryKernel):
                 kept[t, 0, None].store(ptx.f32x8_to_words(reduced.load()))
             protocol.rearm_slots(
                 mailbox_base, stage, first, last, fragment, lane, poisoned == Boolean(False), tokens, tp, HC,
-                capacity, hidden,
+                args.capacity, hidden,
             )  # fmt: skip
         cute.arch.griddepcontrol_launch_dependents()
 
@@ -212,14 +182,14 @@ class GroupBoundaryKernel(BoundaryKernel):
         cute.arch.griddepcontrol_wait()
         for t in cutlass.range_constexpr(tokens):
             output = (Int64(cutlass.min(first + t, last)) * HC + Int64(lane)) * hidden + column
-            ptx.store_u32x4(residual_out.toint() + output * 2, kept[t, 0, None].load())
+            ptx.store_u32x4(args.residual_out.toint() + output * 2, kept[t, 0, None].load())
         hc_eps = Float32(config.hc_eps)
         for t in cutlass.range_constexpr(tokens):
             rstd = mixes_rstd(totals + t * VALUES, hidden, config.rms_eps)
             if (cluster_rank == 0) & (tidx == Int32(t)) & (first + t <= last):
-                write_raw_mixes(totals + t * VALUES, rstd, mixes_out, first + t)
+                write_raw_mixes(totals + t * VALUES, rstd, args.mixes_out, first + t)
             mix = cute.arch.load((totals + t * VALUES + lane).llvm_ptr, Float32) * rstd
-            prenorm_words = collapse_streams(kept[t, 0, None].load(), pre_mix(mix, scale, base, lane, hc_eps))
+            prenorm_words = collapse_streams(kept[t, 0, None].load(), pre_mix(mix, args.scale, args.base, lane, hc_eps))
             kept[t, 0, None].store(prenorm_words)
             square = Float32(0.0)
             if lane == 0:
@@ -245,7 +215,9 @@ class GroupBoundaryKernel(BoundaryKernel):
                 sum_square = reduce.cluster_total(cluster_sums2 + t * cluster, 0, 1, cluster)
                 inv_rms = inverse_rms(sum_square, hidden, config.norm_eps)
                 result = ptx.words_to_f32x8(kept[t, 0, None].load()) * inv_rms * weight
-                ptx.store_u32x4(layer_input.toint() + (Int64(token) * hidden + column) * 2, ptx.f32x8_to_words(result))
-        clusters = (m + tokens - 1) // tokens
+                ptx.store_u32x4(
+                    args.layer_input.toint() + (Int64(token) * hidden + column) * 2, ptx.f32x8_to_words(result)
+                )
+        clusters = (args.m + tokens - 1) // tokens
         leader = (cluster_rank == 0) & (tidx == 0) & polled & (poisoned == Boolean(False))
-        protocol.advance_stage_after_all(stage_state, arrivals, stage, clusters, leader)
+        protocol.advance_stage_after_all(args.stage_state, args.arrivals, stage, clusters, leader)

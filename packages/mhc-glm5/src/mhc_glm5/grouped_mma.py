@@ -52,8 +52,9 @@ from cutlass import Boolean, Float32, Int32, Int64, Uint32
 from mhc_core.constants import VEC_BF16, WARP_SIZE
 from mhc_core.device import protocol, ptx, reduce
 
-from . import fn_stage
+from . import fn_stage, stages
 from .boundary import (
+    BoundaryArgs,
     BoundaryConfig,
     BoundaryKernel,
     inverse_rms,
@@ -133,30 +134,8 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
     def block_threads(self) -> int:
         return mma_threads(self.config.hidden, self.config.cluster_size)
 
-    @cute.kernel
-    def kernel(
-        self,
-        residual: cute.Pointer,
-        post: cute.Pointer,
-        comb: cute.Pointer,
-        fn: cute.Pointer,
-        scale: cute.Pointer,
-        base: cute.Pointer,
-        gamma: cute.Pointer,
-        residual_out: cute.Pointer,
-        mixes_out: cute.Pointer,
-        layer_input: cute.Pointer,
-        x: cute.Pointer,
-        prefetch: Int32,
-        direct: Int32,
-        mailbox: cute.Tensor,
-        stage_state: cute.Tensor,
-        capacity: Int32,
-        spin_limit_ns: Int64,
-        error_flag: Int64,
-        arrivals: cute.Tensor,
-        m: Int32,
-    ):
+    @cute.jit
+    def body(self, args: BoundaryArgs):
         config = self.config
         hidden, tp, cluster, tokens = config.hidden, config.tp, config.cluster_size, config.tokens
         fragments, threads = config.groups_per_cta, self.block_threads()
@@ -172,8 +151,8 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         local = warp * FRAGMENTS_PER_WARP  # the warp's first fragment in the CTA
         first_fragment = cluster_rank * fragments + local
         first = group * tokens
-        last = m - 1
-        from_x = protocol.reads_x(direct, tp)
+        last = args.m - 1
+        from_x = protocol.reads_x(args.direct, tp)
 
         smem = cutlass.memory.SmemAllocator()
         fn_staged, fn_barrier = fn_stage.allocate(smem, fragments, FN_ROTATION_ROWS)
@@ -188,17 +167,17 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         warp_sums2 = smem.allocate_array(Float32, warps * tokens)
         cluster_sums2 = smem.allocate_array(Float32, cluster * tokens)
 
-        if (prefetch == Int32(0)) | from_x:
+        if (args.prefetch == Int32(0)) | from_x:
             cute.arch.griddepcontrol_wait()
         # The stage and the error word first: the poll needs the stage, and a direct read's poison
         # select the error word, so their load is in flight while the prologue is issued.
-        stage, poisoned = protocol.stage_before_wait(stage_state)
+        stage, poisoned = protocol.stage_before_wait(args.stage_state)
         # What the post-mix needs is requested first (the streams, x when read directly, post /
         # comb), fn after it: the SM takes them in about that order. Both barriers are armed first.
         fn_stage.arm(staged_barrier, tokens * HC * fragments * 16)
         fn_stage.arm(fn_barrier, fn_stage.slice_bytes(fragments))
         cute.arch.barrier()
-        stage_streams(residual, staged, staged_barrier, first, last, cluster_rank * fragments, fragments, tokens,
+        stage_streams(args.residual, staged, staged_barrier, first, last, cluster_rank * fragments, fragments, tokens,
                       hidden, threads)  # fmt: skip
         # Per token half: lane q's fragments of token g (or g + 8), every rank (x: rank 0 only).
         kept = [
@@ -212,29 +191,20 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
                 token = cutlass.min(first + h * TOKENS_PER_HALF + g, last)
                 for k in cutlass.range_constexpr(LANE_FRAGMENTS):
                     column = Int64(first_fragment + q + k * HC) * VEC_BF16
-                    kept[h][k, 0, None].store(protocol.load_x_raw(x, token, column, hidden))
-        # post / comb: 4-byte asynchronous copies (their rows are only 4-byte aligned).
-        for trip in cutlass.range_constexpr(-(-(tokens * MIX_INPUTS) // threads)):
-            index = tidx + trip * threads
-            if index < Int32(tokens * MIX_INPUTS):
-                t = index // MIX_INPUTS
-                j = index % MIX_INPUTS
-                row = Int64(cutlass.min(first + t, last))
-                address = comb.toint() + (row * (HC * HC) + Int64(j - HC)) * 4
-                if j < Int32(HC):
-                    address = post.toint() + (row * HC + Int64(j)) * 4
-                ptx.copy_async_4(mix_inputs + index, address)
-        cute.arch.cp_async_commit_group()
-        fn_stage.copy(fn, fn_staged, fn_barrier, cluster_rank * fragments, fragments, FN_ROTATION_ROWS, hidden, threads)
+                    kept[h][k, 0, None].store(protocol.load_x_raw(args.x, token, column, hidden))
+        stages.stage_mix_inputs(args.post, args.comb, mix_inputs, first, last, tokens, threads, True)
+        fn_stage.copy(
+            args.fn, fn_staged, fn_barrier, cluster_rank * fragments, fragments, FN_ROTATION_ROWS, hidden, threads
+        )
         gamma_words = cute.make_rmem_tensor(cute.make_layout((LANE_FRAGMENTS, 4), stride=(4, 1)), Uint32)
         for k in cutlass.range_constexpr(LANE_FRAGMENTS):
             column = Int64(first_fragment + q + k * HC) * VEC_BF16
-            gamma_words[k, None].store(ptx.load_u32x4(gamma.toint() + column * 2))
+            gamma_words[k, None].store(ptx.load_u32x4(args.gamma.toint() + column * 2))
 
         # Polled before the PDL wait; the wait comes before the first output store (``boundary``).
-        mailbox_base = mailbox.iterator.toint()
+        mailbox_base = args.mailbox.iterator.toint()
         polled = Boolean(True)
-        counter = (group == 0) & (cluster_rank == 0) & (tidx == 0) & (spin_limit_ns > Int64(0))
+        counter = (group == 0) & (cluster_rank == 0) & (tidx == 0) & (args.spin_limit_ns > Int64(0))
         squares = cute.make_rmem_tensor(cute.make_layout((halves,)), Float32)
         for h in cutlass.range_constexpr(halves):
             t = h * TOKENS_PER_HALF + g
@@ -246,13 +216,13 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
                 # One thread polls every rank of its two fragments (fragment step 4, rank lanes 1).
                 half_poisoned = protocol.poll_slots(
                     kept[h], mailbox_base, stage, token, token, first_fragment + q, Int32(0), active, LANE_FRAGMENTS,
-                    tp, 1, capacity, hidden, spin_limit_ns, error_flag, stage_state.iterator.toint(), poisoned, 0, HC,
-                    tp > 1 and h == 0, counter, m,
+                    tp, 1, args.capacity, hidden, args.spin_limit_ns, args.error_flag,
+                    args.stage_state.iterator.toint(), poisoned, 0, HC, tp > 1 and h == 0, counter, args.m,
                 )  # fmt: skip
                 poisoned = poisoned | half_poisoned
                 protocol.rearm_slots(
                     mailbox_base, stage, token, token, first_fragment + q, Int32(0),
-                    active & (half_poisoned == Boolean(False)), LANE_FRAGMENTS, tp, 1, capacity, hidden, 0, HC,
+                    active & (half_poisoned == Boolean(False)), LANE_FRAGMENTS, tp, 1, args.capacity, hidden, 0, HC,
                 )  # fmt: skip
             if cutlass.const_expr(h == halves - 1):
                 cute.arch.griddepcontrol_launch_dependents()
@@ -341,7 +311,7 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
             t = warp + trip * warps
             if (cluster_rank == 0) & (lane_id == 0) & (t < Int32(tokens)) & (first + t <= last):
                 rstd = mixes_rstd(totals + t * VALUES, hidden, config.rms_eps)
-                write_raw_mixes(totals + t * VALUES, rstd, mixes_out, first + t)
+                write_raw_mixes(totals + t * VALUES, rstd, args.mixes_out, first + t)
         cute.arch.griddepcontrol_wait()
         hc_eps = Float32(config.hc_eps)
         prenorm = cute.make_rmem_tensor(
@@ -352,7 +322,11 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
             rstd = mixes_rstd(totals + t * VALUES, hidden, config.rms_eps)
             pre = [
                 pre_mix(
-                    cute.arch.load((totals + t * VALUES + j).llvm_ptr, Float32) * rstd, scale, base, Int32(j), hc_eps
+                    cute.arch.load((totals + t * VALUES + j).llvm_ptr, Float32) * rstd,
+                    args.scale,
+                    args.base,
+                    Int32(j),
+                    hc_eps,
                 )
                 for j in range(HC)
             ]
@@ -364,7 +338,7 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
                     column = Int64(first_fragment + q + k * HC) * VEC_BF16
                     for j in cutlass.range_constexpr(HC):
                         output = (Int64(first + t) * HC + Int64(j)) * hidden + column
-                        ptx.store_u32x4(residual_out.toint() + output * 2, streams[j])
+                        ptx.store_u32x4(args.residual_out.toint() + output * 2, streams[j])
                 terms = [ptx.words_to_f32x8(streams[j]) * pre[j] for j in range(HC)]
                 collapsed = ptx.f32x8_to_words((terms[0] + terms[1]) + (terms[2] + terms[3]))
                 prenorm[h, k, None].store(collapsed)
@@ -395,8 +369,8 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
                     result = ptx.words_to_f32x8(prenorm[h, k, None].load()) * inv_rms * weight
                     column = Int64(first_fragment + q + k * HC) * VEC_BF16
                     ptx.store_u32x4(
-                        layer_input.toint() + (Int64(token) * hidden + column) * 2, ptx.f32x8_to_words(result)
+                        args.layer_input.toint() + (Int64(token) * hidden + column) * 2, ptx.f32x8_to_words(result)
                     )
-        clusters = (m + tokens - 1) // tokens
+        clusters = (args.m + tokens - 1) // tokens
         leader = (cluster_rank == 0) & (tidx == 0) & polled & (poisoned == Boolean(False))
-        protocol.advance_stage_after_all(stage_state, arrivals, stage, clusters, leader)
+        protocol.advance_stage_after_all(args.stage_state, args.arrivals, stage, clusters, leader)
