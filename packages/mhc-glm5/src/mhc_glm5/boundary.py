@@ -40,7 +40,6 @@ when the kernel right before is the publish (``prefetch``).
 from __future__ import annotations
 
 from collections import namedtuple
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import cutlass
@@ -48,17 +47,15 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32, Int64, Uint32
 
 from mhc_core.constants import VEC_BF16, WARP_SIZE
-from mhc_core.device import handoff, protocol, ptx, reduce
+from mhc_core.device import protocol, ptx, reduce
 from mhc_core.device.collective import mailbox_params
-from mhc_core.device.fastmath import sigmoid
 from mhc_core.device.kernel import DeviceKernel
 from mhc_core.device.signature import Buffer, Param, Ptr, Scalar, Signature, Stream
 
-from . import fn_stage
+from . import fn_stage, stages
 from .config import (
     FN_ROTATION_STREAMS,
     HC,
-    MIX,
     VALUES,
     boundary_launch_shared_bytes,
     boundary_threads,
@@ -128,65 +125,6 @@ def boundary_signature() -> Signature:
 #: reads (14 of the 43 sm_90a preset kernels' PTX changed). A ``body`` calls no method on an
 #: argument inside a region where the kernel it came from did not.
 BoundaryArgs = namedtuple("BoundaryArgs", [param.name for param in boundary_signature() if param.name != "stream"])
-
-
-@cute.jit
-def load_fn_rows(fn: cute.Pointer, lane: Int32, column: Int64, hidden: cutlass.Constexpr[int]) -> cute.Tensor:
-    """The 24 ``fn`` fragments this lane multiplies with stream ``lane``: ``[24, 4]`` words."""
-    rows = cute.make_rmem_tensor(cute.make_layout((MIX, 4), stride=(4, 1)), Uint32)
-    for row in cutlass.range_constexpr(MIX):
-        element = Int64(row) * (HC * hidden) + Int64(lane) * hidden + column
-        rows[row, None].store(ptx.load_u32x4(fn.toint() + element * 2))
-    return rows
-
-
-def gemv_partials(row_fragment: Callable[[int], cute.TensorSSA], stream: cute.TensorSSA, mixed_fma: bool) -> list:
-    """This fragment's 24 GEMV terms and its sum of squares (25 FP32 values); ``row_fragment(r)``
-    is the lane's ``fn`` fragment of row ``r`` (from registers or from the staged slice). Traced
-    inline: a plain function, so it can take the callable."""
-    partial = [ptx.dot_bf16x8(row_fragment(row), stream, mixed_fma) for row in range(MIX)]
-    partial.append(ptx.dot_bf16x8(stream, stream, mixed_fma))
-    return partial
-
-
-@cute.jit
-def mixes_rstd(totals: cute.Pointer, hidden: cutlass.Constexpr[int], rms_eps: cutlass.Constexpr[float]) -> Float32:
-    """``rsqrt(sum s^2 / (4 hidden) + rms_eps)`` from a token's 25 cluster totals (squares last)."""
-    return cute.math.rsqrt(
-        cute.arch.load((totals + MIX).llvm_ptr, Float32) / Float32(HC * hidden) + Float32(rms_eps), fastmath=True
-    )
-
-
-@cute.jit
-def write_raw_mixes(totals: cute.Pointer, rstd: Float32, mixes_out: cute.Pointer, token: Int32):
-    """One thread: the token's 24 raw mixes ``totals[r] * rstd``, handed off to the side-stream
-    mixes kernel (``mhc_core.device.handoff``)."""
-    raw = [cute.arch.load((totals + r).llvm_ptr, Float32) * rstd for r in range(MIX)]
-    handoff.write_row(mixes_out.toint(), token, raw, MIX)
-
-
-@cute.jit
-def inverse_rms(sum_square: Float32, hidden: cutlass.Constexpr[int], norm_eps: cutlass.Constexpr[float]) -> Float32:
-    """The RMSNorm's ``rsqrt(sum x^2 / hidden + norm_eps)`` from the cluster's sum of squares."""
-    return cute.math.rsqrt(sum_square / Float32(hidden) + Float32(norm_eps), fastmath=True)
-
-
-@cute.jit
-def pre_mix(mix: Float32, scale: cute.Pointer, base: cute.Pointer, lane: Int32, hc_eps: Float32) -> Float32:
-    """``sigmoid(raw[j] * scale[0] + base[j]) + hc_eps`` for stream ``j = lane``."""
-    return (
-        sigmoid(mix * cute.arch.load(scale.llvm_ptr, Float32) + cute.arch.load((base + lane).llvm_ptr, Float32))
-        + hc_eps
-    )
-
-
-@cute.jit
-def collapse_streams(stream: cute.TensorSSA, pre: Float32) -> cute.TensorSSA:
-    """``bf16((t0 + t1) + (t2 + t3))``, ``t_j = s_j * pre_j``, over the 4 lanes of a group."""
-    collapse = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
-    collapse.store(ptx.words_to_f32x8(stream) * pre)
-    protocol.sum_over_lanes(collapse, HC)
-    return ptx.f32x8_to_words(collapse.load())
 
 
 class BoundaryKernel(DeviceKernel):
@@ -273,11 +211,7 @@ class BoundaryKernel(DeviceKernel):
         smem = cutlass.memory.SmemAllocator()
         fn_staged, fn_barrier = fn_stage.allocate(smem, groups, FN_ROTATION_STREAMS)
 
-        if (args.prefetch == Int32(0)) | from_x:
-            cute.arch.griddepcontrol_wait()
-        # The stage and the error word first: the poll needs the stage, and a direct read's poison
-        # select the error word, so their load is in flight while the prologue is issued.
-        stage, poisoned = protocol.stage_before_wait(args.stage_state)
+        stage, poisoned = stages.begin(args.prefetch, from_x, args.stage_state)
         fn_stage.arm(fn_barrier, fn_stage.slice_bytes(groups))
         # The barrier is initialised before any copy names it.
         cute.arch.barrier()
@@ -286,9 +220,10 @@ class BoundaryKernel(DeviceKernel):
         )
         streams = cute.make_rmem_tensor(cute.make_layout((HC, 4), stride=(4, 1)), Uint32)
         for source in cutlass.range_constexpr(HC):
-            element = (Int64(token) * HC + source) * hidden + column
-            streams[source, None].store(ptx.load_u32x4(args.residual.toint() + element * 2))
-        gamma_words = ptx.load_u32x4(args.gamma.toint() + column * 2)
+            streams[source, None].store(
+                stages.load_fragment(args.residual, stages.stream_element(token, source, column, hidden))
+            )
+        gamma_words = stages.load_fragment(args.gamma, column)
         post_j = cute.arch.load((args.post + Int64(token) * HC + Int64(lane)).llvm_ptr, Float32)
         comb_j = cute.make_rmem_tensor(cute.make_layout((HC,)), Float32)
         for source in cutlass.range_constexpr(HC):
@@ -308,7 +243,7 @@ class BoundaryKernel(DeviceKernel):
                 reduced.fill(Float32(float("nan")))
         else:
             mailbox_base = args.mailbox.iterator.toint()
-            counter = (token == 0) & (cluster_rank == 0) & (tidx == 0) & (args.spin_limit_ns > Int64(0))
+            counter = stages.counts_tokens(token, cluster_rank, tidx, args.spin_limit_ns)
             poisoned = protocol.poll_and_sum(
                 reduced, mailbox_base, stage, token, fragment, lane, True, tp, HC, args.capacity, hidden,
                 args.spin_limit_ns, args.error_flag, args.stage_state.iterator.toint(), poisoned, tp > 1, counter,
@@ -321,53 +256,43 @@ class BoundaryKernel(DeviceKernel):
         cute.arch.griddepcontrol_launch_dependents()
 
         # The all-reduced sublayer output is BF16, as the collective returns it.
-        summed = reduced.load().to(BFloat16).to(Float32)
-        mixed = summed * post_j
-        for source in cutlass.range_constexpr(HC):
-            mixed = mixed + ptx.words_to_f32x8(streams[source, None].load()) * comb_j[source]
-        stream_words = ptx.f32x8_to_words(mixed)
+        stream_words = stages.post_mix(
+            reduced.load().to(BFloat16).to(Float32),
+            post_j,
+            lambda i: ptx.words_to_f32x8(streams[i, None].load()),
+            lambda i: comb_j[i],
+        )
 
         partials = cute.make_rmem_tensor(cute.make_layout((VALUES,)), Float32)
         fn_stage.wait(fn_barrier)
         group = tidx // HC
-        terms = gemv_partials(
+        terms = stages.gemv_partials(
             lambda row: fn_stage.load(fn_staged, Int32(row), lane, group, groups, FN_ROTATION_STREAMS),
             stream_words,
             config.mixed_fma,
         )
         for k in cutlass.range_constexpr(VALUES):
             partials[k] = terms[k]
-        warp_sums = smem.allocate_array(Float32, config.warps * VALUES)
-        cluster_sums = smem.allocate_array(Float32, cluster * VALUES)
-        totals = smem.allocate_array(Float32, VALUES)
-        warp_sums2 = smem.allocate_array(Float32, config.warps)
-        cluster_sums2 = smem.allocate_array(Float32, cluster)
-        reduce.block_to_cluster(partials, VALUES, warp_sums, cluster_sums, cluster_rank, config.threads, cluster)
-        if tidx < Int32(VALUES):
-            cute.arch.store((totals + tidx).llvm_ptr, reduce.cluster_total(cluster_sums, tidx, VALUES, cluster))
-        cute.arch.barrier()
+        sums = stages.ClusterSums.allocate(smem, tidx, cluster_rank, 1, config.warps, cluster, token_major=True)
+        # One token: the (value, peer) pairs spread over the threads (``reduce.block_to_cluster``).
+        reduce.block_to_cluster(partials, VALUES, sums.warp, sums.cluster, cluster_rank, config.threads, cluster)
+        sums.cluster_totals()
 
-        rstd = mixes_rstd(totals, hidden, config.rms_eps)
+        rstd = stages.mixes_rstd(sums.totals, hidden, config.rms_eps)
         if (cluster_rank == 0) & (tidx == 0):
-            write_raw_mixes(totals, rstd, args.mixes_out, token)
+            stages.write_raw_mixes(sums.totals, rstd, args.mixes_out, token)
         cute.arch.griddepcontrol_wait()
-        output = (Int64(token) * HC + Int64(lane)) * hidden + column
-        ptx.store_u32x4(args.residual_out.toint() + output * 2, stream_words)
-        mix = cute.arch.load((totals + lane).llvm_ptr, Float32) * rstd
-        prenorm_words = collapse_streams(
-            stream_words, pre_mix(mix, args.scale, args.base, lane, Float32(config.hc_eps))
+        stages.store_fragment(args.residual_out, stages.stream_element(token, lane, column, hidden), stream_words)
+        mix = cute.arch.load((sums.totals + lane).llvm_ptr, Float32) * rstd
+        prenorm_words = stages.collapse_streams(
+            stream_words, stages.pre_mix(mix, args.scale, args.base, lane, Float32(config.hc_eps))
         )
 
-        square = cute.make_rmem_tensor(cute.make_layout((1,)), Float32)
-        square[0] = Float32(0.0)
+        sums.square_over_warp(0, cute.arch.warp_idx(), prenorm_words, lane, config.mixed_fma)
+        sums.squares_to_cluster()
+        sum_square = sums.square_total(0)
+        inv_rms = stages.inverse_rms(sum_square, hidden, config.norm_eps)
         if lane == 0:
-            square[0] = ptx.dot_bf16x8(prenorm_words, prenorm_words, config.mixed_fma)
-        reduce.block_to_cluster(square, 1, warp_sums2, cluster_sums2, cluster_rank, config.threads, cluster)
-        sum_square = reduce.cluster_total(cluster_sums2, 0, 1, cluster)
-        inv_rms = inverse_rms(sum_square, hidden, config.norm_eps)
-        if lane == 0:
-            prenorm = ptx.words_to_f32x8(prenorm_words)
-            result = prenorm * inv_rms * ptx.words_to_f32x8(gamma_words)
-            ptx.store_u32x4(args.layer_input.toint() + (Int64(token) * hidden + column) * 2, ptx.f32x8_to_words(result))
-        leader = (cluster_rank == 0) & (tidx == 0) & polled & (poisoned == Boolean(False))
-        protocol.advance_stage_after_all(args.stage_state, args.arrivals, stage, args.m, leader)
+            result = ptx.words_to_f32x8(prenorm_words) * inv_rms * ptx.words_to_f32x8(gamma_words)
+            stages.store_row(args.layer_input, token, column, hidden, result)
+        stages.finish(tidx, args.stage_state, args.arrivals, stage, args.m, 1, cluster_rank, polled, poisoned)
