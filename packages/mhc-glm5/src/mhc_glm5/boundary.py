@@ -35,6 +35,10 @@ before the poll tells (``mhc_core.device.protocol.read_state``).
 The CTA's ``fn`` slice is staged in shared memory by bulk copies (``mhc_glm5.fn_stage``),
 and the residual streams, the weight, post and comb are loaded, before the PDL wait
 when the kernel right before is the publish (``prefetch``).
+
+The three boundary kernels (this one, ``mhc_glm5.grouped``, ``mhc_glm5.grouped_mma``) share one
+device entry, ``BoundaryKernel.kernel`` (one parameter list: ``boundary_signature``), and their
+stages (``mhc_glm5.stages``); each class's ``body`` wires the stages for its thread mapping.
 """
 
 from __future__ import annotations
@@ -118,12 +122,12 @@ def boundary_signature() -> Signature:
 
 #: The device entry's arguments by name (``boundary_signature`` without the stream, which only
 #: the launch takes): what every boundary kernel's ``body`` reads, so the three kernels share one
-#: parameter list. A named tuple, not a frozen dataclass: the DSL carries through a dynamic ``if``
-#: or loop every name on which the region calls a method (``args.x.toint()``), and rebuilds a
-#: carried ``cute.Tensor`` after it, reading its iterator anew; the tuple is carried like the
-#: kernels' separate parameters were, where a frozen dataclass is never carried and moved those
-#: reads (14 of the 43 sm_90a preset kernels' PTX changed). A ``body`` calls no method on an
-#: argument inside a region where the kernel it came from did not.
+#: parameter list. A named tuple, not a frozen dataclass: a region that calls a method on one of
+#: its members (``args.stage_state.iterator.toint()``) carries it, as the kernels' separate
+#: parameters were carried (``mhc_glm5.stages``), where a frozen dataclass is never carried and
+#: moved the tensors' iterator reads (the PTX of 14 of the 43 sm_90a preset kernels changed).
+#: A ``body`` therefore calls methods on ``args`` members in the regions where the kernel it came
+#: from called them on its parameters, and passes them to stage functions elsewhere.
 BoundaryArgs = namedtuple("BoundaryArgs", [param.name for param in boundary_signature() if param.name != "stream"])
 
 
@@ -283,10 +287,8 @@ class BoundaryKernel(DeviceKernel):
             stages.write_raw_mixes(sums.totals, rstd, args.mixes_out, token)
         cute.arch.griddepcontrol_wait()
         stages.store_fragment(args.residual_out, stages.stream_element(token, lane, column, hidden), stream_words)
-        mix = cute.arch.load((sums.totals + lane).llvm_ptr, Float32) * rstd
-        prenorm_words = stages.collapse_streams(
-            stream_words, stages.pre_mix(mix, args.scale, args.base, lane, Float32(config.hc_eps))
-        )
+        pre = stages.pre_mix(sums.totals, rstd, lane, args.scale, args.base, Float32(config.hc_eps))
+        prenorm_words = stages.collapse_streams(stream_words, pre)
 
         sums.square_over_warp(0, cute.arch.warp_idx(), prenorm_words, lane, config.mixed_fma)
         sums.squares_to_cluster()

@@ -149,10 +149,8 @@ class GroupBoundaryKernel(BoundaryKernel):
             rstd = stages.mixes_rstd(sums.totals + t * VALUES, hidden, config.rms_eps)
             if (cluster_rank == 0) & (tidx == Int32(t)) & (first + t <= last):
                 stages.write_raw_mixes(sums.totals + t * VALUES, rstd, args.mixes_out, first + t)
-            mix = cute.arch.load((sums.totals + t * VALUES + lane).llvm_ptr, Float32) * rstd
-            prenorm_words = stages.collapse_streams(
-                kept[t, 0, None].load(), stages.pre_mix(mix, args.scale, args.base, lane, hc_eps)
-            )
+            pre = stages.pre_mix(sums.totals + t * VALUES, rstd, lane, args.scale, args.base, hc_eps)
+            prenorm_words = stages.collapse_streams(kept[t, 0, None].load(), pre)
             kept[t, 0, None].store(prenorm_words)
             sums.square_over_warp(t, warp, prenorm_words, lane, config.mixed_fma)
         sums.squares_to_cluster()

@@ -88,31 +88,6 @@ def staged_slot(fragment: Int32, source: Int32, token: Int32, fragments: cutlass
     return (token * HC + source) * fn_chunk_words(fragments, FN_ROTATION_ROWS) + fragment * 4
 
 
-@cute.jit
-def stage_streams(
-    residual: cute.Pointer,
-    staged: cute.Pointer,
-    barrier: cute.Pointer,
-    first: Int32,
-    last: Int32,
-    first_fragment: Int32,
-    fragments: cutlass.Constexpr[int],
-    tokens: cutlass.Constexpr[int],
-    hidden: cutlass.Constexpr[int],
-    threads: cutlass.Constexpr[int],
-) -> None:
-    """Start one bulk copy per (token, source): the CTA's columns of that residual stream, against
-    an armed ``barrier`` (a short last group copies its last token again)."""
-    tidx, _, _ = cute.arch.thread_idx()
-    for trip in cutlass.range_constexpr(-(-(tokens * HC) // threads)):
-        row = tidx + trip * threads
-        if row < Int32(tokens * HC):
-            token = cutlass.min(first + row // HC, last)
-            element = (Int64(token) * HC + Int64(row % HC)) * hidden + Int64(first_fragment) * VEC_BF16
-            slot = staged + staged_slot(Int32(0), row % HC, row // HC, fragments)
-            ptx.bulk_copy(slot, residual.toint() + element * 2, Int32(fragments * 16), barrier)
-
-
 class MmaGroupBoundaryKernel(BoundaryKernel):
     name = "boundary_mma"
     config_type = BoundaryConfig
@@ -165,8 +140,18 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         fn_stage.arm(staged_barrier, tokens * HC * fragments * 16)
         fn_stage.arm(fn_barrier, fn_stage.slice_bytes(fragments))
         cute.arch.barrier()
-        stage_streams(args.residual, staged, staged_barrier, first, last, cluster_rank * fragments, fragments, tokens,
-                      hidden, threads)  # fmt: skip
+        # The residual streams: one bulk copy per (token, source) row of the CTA's columns (a short
+        # last group copies its last token again).
+        cta_fragment = cluster_rank * fragments
+
+        def stream_row(row: Int32) -> Int64:
+            token = cutlass.min(first + row // HC, last)
+            return (Int64(token) * HC + Int64(row % HC)) * hidden + Int64(cta_fragment) * VEC_BF16
+
+        fn_stage.copy_rows(
+            args.residual, stream_row, lambda row: staged + staged_slot(Int32(0), row % HC, row // HC, fragments),
+            tokens * HC, fragments * 16, staged_barrier, threads,
+        )  # fmt: skip
         # Per token half: lane q's fragments of token g (or g + 8), every rank (x: rank 0 only).
         kept = [
             cute.make_rmem_tensor(cute.make_layout((LANE_FRAGMENTS, tp, 4), stride=(tp * 4, 4, 1)), Uint32)
@@ -239,8 +224,7 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
                     square = square + ptx.dot_bf16x8(stream_words, stream_words, config.mixed_fma)
                     # This lane alone reads source j of this fragment and token.
                     ptx.store_shared_u32x4(staged + staged_slot(f, j, t, fragments), stream_words)
-            for step in cutlass.range_constexpr(2):
-                square = square + cute.arch.shuffle_sync_bfly(square, offset=1 << step, mask=-1, mask_and_clamp=31)
+            square = stages.group_sum(square)
             squares[h] = square
         # The MMA reads the streams the other lanes of the warp wrote.
         cute.arch.sync_warp()
@@ -289,13 +273,7 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
             t = h * TOKENS_PER_HALF + g
             rstd = stages.mixes_rstd(sums.totals + t * VALUES, hidden, config.rms_eps)
             pre = [
-                stages.pre_mix(
-                    cute.arch.load((sums.totals + t * VALUES + j).llvm_ptr, Float32) * rstd,
-                    args.scale,
-                    args.base,
-                    Int32(j),
-                    hc_eps,
-                )
+                stages.pre_mix(sums.totals + t * VALUES, rstd, Int32(j), args.scale, args.base, hc_eps)
                 for j in range(HC)
             ]
             square = Float32(0.0)
@@ -311,8 +289,7 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
                 collapsed = ptx.f32x8_to_words((terms[0] + terms[1]) + (terms[2] + terms[3]))
                 prenorm[h, k, None].store(collapsed)
                 square = square + ptx.dot_bf16x8(collapsed, collapsed, config.mixed_fma)
-            for step in cutlass.range_constexpr(2):
-                square = square + cute.arch.shuffle_sync_bfly(square, offset=1 << step, mask=-1, mask_and_clamp=31)
+            square = stages.group_sum(square)
             if q == Int32(0):
                 cute.arch.store((sums.warp_squares + warp * tokens + t).llvm_ptr, square)
         sums.squares_to_cluster()

@@ -2,14 +2,20 @@
 
 ``mhc_glm5.boundary`` (one token per cluster), ``mhc_glm5.grouped`` (2-4 tokens, CUDA cores)
 and ``mhc_glm5.grouped_mma`` (8 or 16 tokens, tensor cores) run the same stages in the same
-order; they differ in how a thread maps to tokens, streams and fragments, so each kernel's
-``body`` wires these functions together and keeps only what its mapping needs.
+order: prologue (``begin``, the loads and the staging), poll (``mhc_core.device.protocol``,
+``counts_tokens``), post-mix, GEMV, the two cluster reductions (``ClusterSums``), epilogue
+(``finish`` last). They differ in how a thread maps to tokens, streams and fragments, so each
+kernel's ``body`` wires these functions together with the indices of its mapping.
 
-Written for byte-identical PTX with the kernels they came from: a function traces inline, so
-moving a stage here changes nothing as long as the operations keep their order and every dynamic
-``if`` / loop sees the same variables (the DSL carries each name a region writes or calls a method
-on through that region, and a kernel-level ``cute.Tensor`` rebuilt after a region reads its
-iterator anew: see the notes at ``body`` in ``mhc_glm5.boundary``).
+Written for byte-identical PTX with the kernels they came from (``tools.compile_presets
+--ptx-digest``). A function here traces inline, so moving code into one changes nothing as
+long as
+- the operations keep their order, pure arithmetic included (the PTX follows it): a function
+  that must not reorder its caller's work takes a callable or the caller's finished values;
+- each dynamic ``if`` / loop carries the same variables: the DSL carries through a region every
+  name the region assigns or calls a method on (``x.toint()``; frozen dataclasses excepted), and
+  a carried ``cute.Tensor`` reads its iterator anew after the region, which moves that read;
+- the kernel reads the thread index where it did (``tidx`` is passed in, not read again).
 """
 
 from __future__ import annotations
@@ -108,6 +114,15 @@ def counts_tokens(block: Int32, cluster_rank: Int32, tidx: Int32, spin_limit_ns:
     return (block == 0) & (cluster_rank == 0) & (tidx == 0) & (spin_limit_ns > Int64(0))
 
 
+@cute.jit
+def group_sum(value: Float32) -> Float32:
+    """Sum over the 4 lanes of a group (xor butterfly: ``(v0 + v1) + (v2 + v3)`` in lane 0); every
+    lane gets the total."""
+    for step in cutlass.range_constexpr(HC.bit_length() - 1):
+        value = value + cute.arch.shuffle_sync_bfly(value, offset=1 << step, mask=-1, mask_and_clamp=31)
+    return value
+
+
 # ------------------------------------------------------------------ post-mix
 def post_mix(
     summed: cute.TensorSSA,
@@ -117,8 +132,8 @@ def post_mix(
 ) -> cute.TensorSSA:
     """Stream ``j`` after the boundary: ``bf16(x * post[j] + sum_i s_i * comb[i, j])``, as words;
     ``summed`` is the all-reduced x (FP32 of its BF16), ``source(i)`` residual stream ``i`` (FP32)
-    and ``comb(i)`` its weight. Callables, read in the sum's order (each kernel holds them in its
-    own place); a plain function, traced inline, so it can take them."""
+    and ``comb(i)`` its weight: callables, read in the sum's order (each kernel holds them in its
+    own place). A plain function: traced inline, its loop unrolled by Python."""
     mixed = summed * post
     for i in range(HC):
         mixed = mixed + source(i) * comb(i)
@@ -151,8 +166,8 @@ def load_fn_rows(fn: cute.Pointer, lane: Int32, column: Int64, hidden: cutlass.C
 
 def gemv_partials(row_fragment: Callable[[int], cute.TensorSSA], stream: cute.TensorSSA, mixed_fma: bool) -> list:
     """This fragment's 24 GEMV terms and its sum of squares (25 FP32 values); ``row_fragment(r)``
-    is the lane's ``fn`` fragment of row ``r`` (from registers or from the staged slice). Traced
-    inline: a plain function, so it can take the callable."""
+    is the lane's ``fn`` fragment of row ``r`` (from registers or from the staged slice). A plain
+    function: traced inline, its loop unrolled by Python."""
     partial = [ptx.dot_bf16x8(row_fragment(row), stream, mixed_fma) for row in range(MIX)]
     partial.append(ptx.dot_bf16x8(stream, stream, mixed_fma))
     return partial
@@ -173,7 +188,7 @@ class ClusterSums:
     ``warp_squares[w, t]``, ``cluster_squares[p, t]`` (the tensor-core kernel, whose warps hold every
     token at once); ``totals[t, v]`` in both. Two layouts, kept so that no kernel's PTX changed.
 
-    Frozen: the DSL passes it into a dynamic region read-only (``mhc_glm5.boundary.BoundaryArgs``).
+    Frozen: the DSL passes it into a dynamic region read-only (see the module docstring).
     """
 
     warp: cute.Pointer
@@ -334,11 +349,14 @@ def write_raw_mixes(totals: cute.Pointer, rstd: Float32, mixes_out: cute.Pointer
 
 
 @cute.jit
-def pre_mix(mix: Float32, scale: cute.Pointer, base: cute.Pointer, lane: Int32, hc_eps: Float32) -> Float32:
-    """``sigmoid(raw[j] * scale[0] + base[j]) + hc_eps`` for stream ``j = lane``."""
+def pre_mix(
+    totals: cute.Pointer, rstd: Float32, j: Int32, scale: cute.Pointer, base: cute.Pointer, hc_eps: Float32
+) -> Float32:
+    """Stream ``j``'s pre weight from a token's cluster totals (``ClusterSums.totals[t]``):
+    ``sigmoid(raw[j] * scale[0] + base[j]) + hc_eps``, ``raw[j] = totals[j] * rstd``."""
+    mix = cute.arch.load((totals + j).llvm_ptr, Float32) * rstd
     return (
-        sigmoid(mix * cute.arch.load(scale.llvm_ptr, Float32) + cute.arch.load((base + lane).llvm_ptr, Float32))
-        + hc_eps
+        sigmoid(mix * cute.arch.load(scale.llvm_ptr, Float32) + cute.arch.load((base + j).llvm_ptr, Float32)) + hc_eps
     )
 
 
