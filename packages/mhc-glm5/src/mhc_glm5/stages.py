@@ -15,7 +15,8 @@ long as
 - each dynamic ``if`` / loop carries the same variables: the DSL carries through a region every
   name the region assigns or calls a method on (``x.toint()``; frozen dataclasses excepted), and
   a carried ``cute.Tensor`` reads its iterator anew after the region, which moves that read;
-- the kernel reads the thread index where it did (``tidx`` is passed in, not read again).
+- a stage takes ``tidx`` from its kernel rather than reading it: the first read fixes where the
+  PTX reads the thread index, and a kernel left with no use of its own would move it.
 """
 
 from __future__ import annotations
