@@ -26,7 +26,7 @@ import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, Int64, Uint32
 
 from mhc_core.constants import NAN_BF16_PAIR, VEC_BF16, WARP_SIZE
-from mhc_core.device import protocol, ptx, reduce
+from mhc_core.device import protocol, ptx
 
 from . import stages
 from .boundary import (
@@ -132,12 +132,7 @@ class GroupBoundaryKernel(BoundaryKernel):
             )
             kept[t, 0, None].store(stream_words)
             partial = stages.gemv_partials(lambda row: fn_rows[row, None].load(), stream_words, config.mixed_fma)
-            for _ in cutlass.range_constexpr(WARP_SIZE - VALUES):
-                partial.append(Float32(0.0))
-            total = reduce.warp_reduce_scatter(partial)
-            if cute.arch.lane_idx() < Int32(VALUES):
-                slot = sums.warp + (t * warps + warp) * VALUES + cute.arch.lane_idx()
-                cute.arch.store(slot.llvm_ptr, total)
+            sums.values_over_warp(t, warp, partial)
         sums.values_to_cluster()
 
         cute.arch.griddepcontrol_wait()

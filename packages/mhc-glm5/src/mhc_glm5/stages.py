@@ -230,6 +230,18 @@ class ClusterSums:
         )
 
     @cute.jit
+    def values_over_warp(self, t: Int32, warp: Int32, values: list) -> None:
+        """The warp's sums of token ``t``'s 25 values (``values``: this lane's), by one reduce-scatter
+        (31 shuffles, not 25 butterflies of 5): lane ``i`` stores value ``i`` into ``warp``
+        (token-major; the tensor-core kernel's MMA leaves its sums in the lanes instead)."""
+        for _ in cutlass.range_constexpr(WARP_SIZE - VALUES):
+            values.append(Float32(0.0))
+        total = reduce.warp_reduce_scatter(values)
+        if cute.arch.lane_idx() < Int32(VALUES):
+            slot = self.warp + (t * self.warps + warp) * VALUES + cute.arch.lane_idx()
+            cute.arch.store(slot.llvm_ptr, total)
+
+    @cute.jit
     def values_to_cluster(self) -> None:
         """Block -> cluster for the 25 values of every token, once the warps' sums are in ``warp``:
         a CTA barrier; each (token, value) total of the CTA's warps into every peer's ``cluster``,
