@@ -25,6 +25,7 @@ DEVICE_MODULES = {
     "mhc_glm5.grouped_mma",
     "mhc_glm5.mixes",
     "mhc_glm5.fn_stage",
+    "mhc_glm5.stages",
 }
 #: Pure modules both layers share (constants, preset rules); neither layer's.
 SHARED = {

@@ -51,6 +51,25 @@ def check_protocol(ptx: str, polls: int = 1) -> None:
     assert count(ptx, ".release.gpu") == 0 and count(ptx, "membar") == 0 and count(ptx, "fence.acq_rel") == 0
 
 
+def test_one_device_entry_follows_the_signature() -> None:
+    """The three boundary kernels share one device entry: it takes ``boundary_signature``'s
+    parameters in order (the launch adds the stream) and hands them to each class's ``body`` as
+    ``BoundaryArgs``, built positionally, so the names must line up."""
+    import inspect
+
+    from mhc_glm5.boundary import BoundaryArgs, BoundaryKernel, boundary_signature
+    from mhc_glm5.grouped import GroupBoundaryKernel
+    from mhc_glm5.grouped_mma import MmaGroupBoundaryKernel
+
+    names = [param.name for param in boundary_signature()]
+    assert list(inspect.signature(BoundaryKernel.__call__).parameters)[1:] == names
+    assert names[-1] == "stream"
+    assert list(inspect.signature(BoundaryKernel.kernel).parameters)[1:] == names[:-1] == list(BoundaryArgs._fields)
+    kinds = (BoundaryKernel, GroupBoundaryKernel, MmaGroupBoundaryKernel)
+    assert all(kind.kernel is BoundaryKernel.kernel for kind in kinds)
+    assert len({kind.body for kind in kinds}) == 3
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("tokens,tp", [(1, 1), (2, 1), (4, 1), (1, 2), (2, 4)])
 def test_cuda_core_boundaries(arch: str, tokens: int, tp: int) -> None:

@@ -35,11 +35,15 @@ before the poll tells (``mhc_core.device.protocol.read_state``).
 The CTA's ``fn`` slice is staged in shared memory by bulk copies (``mhc_glm5.fn_stage``),
 and the residual streams, the weight, post and comb are loaded, before the PDL wait
 when the kernel right before is the publish (``prefetch``).
+
+The three boundary kernels (this one, ``mhc_glm5.grouped``, ``mhc_glm5.grouped_mma``) share one
+device entry, ``BoundaryKernel.kernel`` (one parameter list: ``boundary_signature``), and their
+stages (``mhc_glm5.stages``); each class's ``body`` wires the stages for its thread mapping.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import namedtuple
 from dataclasses import dataclass
 
 import cutlass
@@ -47,17 +51,15 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32, Int64, Uint32
 
 from mhc_core.constants import VEC_BF16, WARP_SIZE
-from mhc_core.device import handoff, protocol, ptx, reduce
+from mhc_core.device import protocol, ptx, reduce
 from mhc_core.device.collective import mailbox_params
-from mhc_core.device.fastmath import sigmoid
 from mhc_core.device.kernel import DeviceKernel
 from mhc_core.device.signature import Buffer, Param, Ptr, Scalar, Signature, Stream
 
-from . import fn_stage
+from . import fn_stage, stages
 from .config import (
     FN_ROTATION_STREAMS,
     HC,
-    MIX,
     VALUES,
     boundary_launch_shared_bytes,
     boundary_threads,
@@ -118,68 +120,21 @@ def boundary_signature() -> Signature:
     )
 
 
-@cute.jit
-def load_fn_rows(fn: cute.Pointer, lane: Int32, column: Int64, hidden: cutlass.Constexpr[int]) -> cute.Tensor:
-    """The 24 ``fn`` fragments this lane multiplies with stream ``lane``: ``[24, 4]`` words."""
-    rows = cute.make_rmem_tensor(cute.make_layout((MIX, 4), stride=(4, 1)), Uint32)
-    for row in cutlass.range_constexpr(MIX):
-        element = Int64(row) * (HC * hidden) + Int64(lane) * hidden + column
-        rows[row, None].store(ptx.load_u32x4(fn.toint() + element * 2))
-    return rows
-
-
-def gemv_partials(row_fragment: Callable[[int], cute.TensorSSA], stream: cute.TensorSSA, mixed_fma: bool) -> list:
-    """This fragment's 24 GEMV terms and its sum of squares (25 FP32 values); ``row_fragment(r)``
-    is the lane's ``fn`` fragment of row ``r`` (from registers or from the staged slice). Traced
-    inline: a plain function, so it can take the callable."""
-    partial = [ptx.dot_bf16x8(row_fragment(row), stream, mixed_fma) for row in range(MIX)]
-    partial.append(ptx.dot_bf16x8(stream, stream, mixed_fma))
-    return partial
-
-
-@cute.jit
-def mixes_rstd(totals: cute.Pointer, hidden: cutlass.Constexpr[int], rms_eps: cutlass.Constexpr[float]) -> Float32:
-    """``rsqrt(sum s^2 / (4 hidden) + rms_eps)`` from a token's 25 cluster totals (squares last)."""
-    return cute.math.rsqrt(
-        cute.arch.load((totals + MIX).llvm_ptr, Float32) / Float32(HC * hidden) + Float32(rms_eps), fastmath=True
-    )
-
-
-@cute.jit
-def write_raw_mixes(totals: cute.Pointer, rstd: Float32, mixes_out: cute.Pointer, token: Int32):
-    """One thread: the token's 24 raw mixes ``totals[r] * rstd``, handed off to the side-stream
-    mixes kernel (``mhc_core.device.handoff``)."""
-    raw = [cute.arch.load((totals + r).llvm_ptr, Float32) * rstd for r in range(MIX)]
-    handoff.write_row(mixes_out.toint(), token, raw, MIX)
-
-
-@cute.jit
-def inverse_rms(sum_square: Float32, hidden: cutlass.Constexpr[int], norm_eps: cutlass.Constexpr[float]) -> Float32:
-    """The RMSNorm's ``rsqrt(sum x^2 / hidden + norm_eps)`` from the cluster's sum of squares."""
-    return cute.math.rsqrt(sum_square / Float32(hidden) + Float32(norm_eps), fastmath=True)
-
-
-@cute.jit
-def pre_mix(mix: Float32, scale: cute.Pointer, base: cute.Pointer, lane: Int32, hc_eps: Float32) -> Float32:
-    """``sigmoid(raw[j] * scale[0] + base[j]) + hc_eps`` for stream ``j = lane``."""
-    return (
-        sigmoid(mix * cute.arch.load(scale.llvm_ptr, Float32) + cute.arch.load((base + lane).llvm_ptr, Float32))
-        + hc_eps
-    )
-
-
-@cute.jit
-def collapse_streams(stream: cute.TensorSSA, pre: Float32) -> cute.TensorSSA:
-    """``bf16((t0 + t1) + (t2 + t3))``, ``t_j = s_j * pre_j``, over the 4 lanes of a group."""
-    collapse = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
-    collapse.store(ptx.words_to_f32x8(stream) * pre)
-    protocol.sum_over_lanes(collapse, HC)
-    return ptx.f32x8_to_words(collapse.load())
+#: The device entry's arguments by name (``boundary_signature`` without the stream, which only
+#: the launch takes): what every boundary kernel's ``body`` reads, so the three kernels share one
+#: parameter list. A named tuple, not a frozen dataclass: a region that calls a method on one of
+#: its members (``args.stage_state.iterator.toint()``) carries it, as the kernels' separate
+#: parameters were carried (``mhc_glm5.stages``), where a frozen dataclass is never carried and
+#: moved the tensors' iterator reads (the PTX of 14 of the 43 sm_90a preset kernels changed).
+#: A ``body`` therefore calls methods on ``args`` members in the regions where the kernel it came
+#: from called them on its parameters, and passes them to stage functions elsewhere.
+BoundaryArgs = namedtuple("BoundaryArgs", [param.name for param in boundary_signature() if param.name != "stream"])
 
 
 class BoundaryKernel(DeviceKernel):
-    """One cluster per ``config.tokens`` tokens (1 here; ``GroupBoundaryKernel`` takes more and
-    overrides ``kernel`` and ``shared_bytes``)."""
+    """One cluster per ``config.tokens`` tokens (1 here; ``GroupBoundaryKernel`` and
+    ``MmaGroupBoundaryKernel`` take more and override ``body``, ``shared_bytes`` and, the latter,
+    ``block_threads``)."""
 
     name = "boundary"
     config_type = BoundaryConfig
@@ -235,6 +190,17 @@ class BoundaryKernel(DeviceKernel):
         arrivals: cute.Tensor,
         m: Int32,
     ):
+        """The device entry of all three boundary kernels (one parameter list, so one PTX signature);
+        each class's ``body`` is its device code."""
+        self.body(
+            BoundaryArgs(
+                residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input, x, prefetch,
+                direct, mailbox, stage_state, capacity, spin_limit_ns, error_flag, arrivals, m,
+            )
+        )  # fmt: skip
+
+    @cute.jit
+    def body(self, args: BoundaryArgs):
         config = self.config
         hidden, tp, cluster, groups = config.hidden, config.tp, config.cluster_size, config.groups_per_cta
         tidx, _, _ = cute.arch.thread_idx()
@@ -244,101 +210,91 @@ class BoundaryKernel(DeviceKernel):
         fragment = cluster_rank * config.groups_per_cta + tidx // HC
         column = Int64(fragment) * VEC_BF16
 
-        from_x = protocol.reads_x(direct, tp)
+        from_x = protocol.reads_x(args.direct, tp)
 
         smem = cutlass.memory.SmemAllocator()
         fn_staged, fn_barrier = fn_stage.allocate(smem, groups, FN_ROTATION_STREAMS)
 
-        if (prefetch == Int32(0)) | from_x:
-            cute.arch.griddepcontrol_wait()
-        # The stage and the error word first: the poll needs the stage, and a direct read's poison
-        # select the error word, so their load is in flight while the prologue is issued.
-        stage, poisoned = protocol.stage_before_wait(stage_state)
+        stage, poisoned = stages.begin(args.prefetch, from_x, args.stage_state)
         fn_stage.arm(fn_barrier, fn_stage.slice_bytes(groups))
         # The barrier is initialised before any copy names it.
         cute.arch.barrier()
         fn_stage.copy(
-            fn, fn_staged, fn_barrier, cluster_rank * groups, groups, FN_ROTATION_STREAMS, hidden, config.threads
+            args.fn, fn_staged, fn_barrier, cluster_rank * groups, groups, FN_ROTATION_STREAMS, hidden, config.threads
         )
         streams = cute.make_rmem_tensor(cute.make_layout((HC, 4), stride=(4, 1)), Uint32)
         for source in cutlass.range_constexpr(HC):
-            element = (Int64(token) * HC + source) * hidden + column
-            streams[source, None].store(ptx.load_u32x4(residual.toint() + element * 2))
-        gamma_words = ptx.load_u32x4(gamma.toint() + column * 2)
-        post_j = cute.arch.load((post + Int64(token) * HC + Int64(lane)).llvm_ptr, Float32)
+            streams[source, None].store(
+                stages.load_fragment(args.residual, stages.stream_element(token, source, column, hidden))
+            )
+        gamma_words = stages.load_fragment(args.gamma, column)
+        post_j = cute.arch.load((args.post + Int64(token) * HC + Int64(lane)).llvm_ptr, Float32)
         comb_j = cute.make_rmem_tensor(cute.make_layout((HC,)), Float32)
         for source in cutlass.range_constexpr(HC):
-            comb_j[source] = cute.arch.load((comb + (Int64(token) * HC + source) * HC + Int64(lane)).llvm_ptr, Float32)
+            comb_j[source] = cute.arch.load(
+                (args.comb + (Int64(token) * HC + source) * HC + Int64(lane)).llvm_ptr, Float32
+            )
 
         # Polled before the PDL wait (Lamport slots need no ordering); the wait comes before the
         # first output store, as an output may alias what the publish reads.
         polled = Boolean(True)
         reduced = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
         if from_x:
-            reduced.store(ptx.words_to_f32x8(protocol.load_x(x, token, column, hidden)))
+            reduced.store(ptx.words_to_f32x8(protocol.load_x(args.x, token, column, hidden)))
             polled = Boolean(False)
             if poisoned:
                 # A direct read's poison (the mailbox path's is in its poll): x reads as NaN.
                 reduced.fill(Float32(float("nan")))
         else:
-            mailbox_base = mailbox.iterator.toint()
-            counter = (token == 0) & (cluster_rank == 0) & (tidx == 0) & (spin_limit_ns > Int64(0))
+            mailbox_base = args.mailbox.iterator.toint()
+            counter = stages.counts_tokens(token, cluster_rank, tidx, args.spin_limit_ns)
             poisoned = protocol.poll_and_sum(
-                reduced, mailbox_base, stage, token, fragment, lane, True, tp, HC, capacity, hidden,
-                spin_limit_ns, error_flag, stage_state.iterator.toint(), poisoned, tp > 1, counter, m,
+                reduced, mailbox_base, stage, token, fragment, lane, True, tp, HC, args.capacity, hidden,
+                args.spin_limit_ns, args.error_flag, args.stage_state.iterator.toint(), poisoned, tp > 1, counter,
+                args.m,
             )  # fmt: skip
             protocol.rearm_slots(
-                mailbox_base, stage, token, token, fragment, lane, poisoned == Boolean(False), 1, tp, HC, capacity,
+                mailbox_base, stage, token, token, fragment, lane, poisoned == Boolean(False), 1, tp, HC, args.capacity,
                 hidden,
             )  # fmt: skip
         cute.arch.griddepcontrol_launch_dependents()
 
         # The all-reduced sublayer output is BF16, as the collective returns it.
-        summed = reduced.load().to(BFloat16).to(Float32)
-        mixed = summed * post_j
-        for source in cutlass.range_constexpr(HC):
-            mixed = mixed + ptx.words_to_f32x8(streams[source, None].load()) * comb_j[source]
-        stream_words = ptx.f32x8_to_words(mixed)
+        stream_words = stages.post_mix(
+            reduced.load().to(BFloat16).to(Float32),
+            post_j,
+            lambda i: ptx.words_to_f32x8(streams[i, None].load()),
+            lambda i: comb_j[i],
+        )
 
         partials = cute.make_rmem_tensor(cute.make_layout((VALUES,)), Float32)
         fn_stage.wait(fn_barrier)
         group = tidx // HC
-        terms = gemv_partials(
+        terms = stages.gemv_partials(
             lambda row: fn_stage.load(fn_staged, Int32(row), lane, group, groups, FN_ROTATION_STREAMS),
             stream_words,
             config.mixed_fma,
         )
         for k in cutlass.range_constexpr(VALUES):
             partials[k] = terms[k]
-        warp_sums = smem.allocate_array(Float32, config.warps * VALUES)
-        cluster_sums = smem.allocate_array(Float32, cluster * VALUES)
-        totals = smem.allocate_array(Float32, VALUES)
-        warp_sums2 = smem.allocate_array(Float32, config.warps)
-        cluster_sums2 = smem.allocate_array(Float32, cluster)
-        reduce.block_to_cluster(partials, VALUES, warp_sums, cluster_sums, cluster_rank, config.threads, cluster)
-        if tidx < Int32(VALUES):
-            cute.arch.store((totals + tidx).llvm_ptr, reduce.cluster_total(cluster_sums, tidx, VALUES, cluster))
-        cute.arch.barrier()
+        sums = stages.ClusterSums.allocate(smem, tidx, cluster_rank, 1, config.warps, cluster, token_major=True)
+        # One token: the (value, peer) pairs spread over the threads (``reduce.block_to_cluster``).
+        reduce.block_to_cluster(partials, VALUES, sums.warp, sums.cluster, cluster_rank, config.threads, cluster)
+        sums.cluster_totals()
 
-        rstd = mixes_rstd(totals, hidden, config.rms_eps)
+        rstd = stages.mixes_rstd(sums.totals, hidden, config.rms_eps)
         if (cluster_rank == 0) & (tidx == 0):
-            write_raw_mixes(totals, rstd, mixes_out, token)
+            stages.write_raw_mixes(sums.totals, rstd, args.mixes_out, token)
         cute.arch.griddepcontrol_wait()
-        output = (Int64(token) * HC + Int64(lane)) * hidden + column
-        ptx.store_u32x4(residual_out.toint() + output * 2, stream_words)
-        mix = cute.arch.load((totals + lane).llvm_ptr, Float32) * rstd
-        prenorm_words = collapse_streams(stream_words, pre_mix(mix, scale, base, lane, Float32(config.hc_eps)))
+        stages.store_fragment(args.residual_out, stages.stream_element(token, lane, column, hidden), stream_words)
+        pre = stages.pre_mix(sums.totals, rstd, lane, args.scale, args.base, Float32(config.hc_eps))
+        prenorm_words = stages.collapse_streams(stream_words, pre)
 
-        square = cute.make_rmem_tensor(cute.make_layout((1,)), Float32)
-        square[0] = Float32(0.0)
+        sums.square_over_warp(0, cute.arch.warp_idx(), prenorm_words, lane, config.mixed_fma)
+        sums.squares_to_cluster()
+        sum_square = sums.square_total(0)
+        inv_rms = stages.inverse_rms(sum_square, hidden, config.norm_eps)
         if lane == 0:
-            square[0] = ptx.dot_bf16x8(prenorm_words, prenorm_words, config.mixed_fma)
-        reduce.block_to_cluster(square, 1, warp_sums2, cluster_sums2, cluster_rank, config.threads, cluster)
-        sum_square = reduce.cluster_total(cluster_sums2, 0, 1, cluster)
-        inv_rms = inverse_rms(sum_square, hidden, config.norm_eps)
-        if lane == 0:
-            prenorm = ptx.words_to_f32x8(prenorm_words)
-            result = prenorm * inv_rms * ptx.words_to_f32x8(gamma_words)
-            ptx.store_u32x4(layer_input.toint() + (Int64(token) * hidden + column) * 2, ptx.f32x8_to_words(result))
-        leader = (cluster_rank == 0) & (tidx == 0) & polled & (poisoned == Boolean(False))
-        protocol.advance_stage_after_all(stage_state, arrivals, stage, m, leader)
+            result = ptx.words_to_f32x8(prenorm_words) * inv_rms * ptx.words_to_f32x8(gamma_words)
+            stages.store_row(args.layer_input, token, column, hidden, result)
+        stages.finish(tidx, args.stage_state, args.arrivals, stage, args.m, 1, cluster_rank, polled, poisoned)

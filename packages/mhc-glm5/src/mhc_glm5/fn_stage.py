@@ -14,6 +14,8 @@ reads touch 8 distinct 16-byte bank groups.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
@@ -47,6 +49,28 @@ def arm(barrier: cute.Pointer, transaction_bytes: cutlass.Constexpr[int]) -> Non
 
 
 @cute.jit
+def copy_rows(
+    source: cute.Pointer,
+    element: Callable[[Int32], Int64],
+    slot: Callable[[Int32], cute.Pointer],
+    rows: cutlass.Constexpr[int],
+    row_bytes: cutlass.Constexpr[int],
+    barrier: cute.Pointer,
+    threads: cutlass.Constexpr[int],
+) -> None:
+    """Start one bulk copy per row ``r < rows`` (a thread each, in trips): ``row_bytes`` from
+    element ``element(r)`` of the BF16 tensor ``source`` to ``slot(r)`` in shared memory, against an
+    armed ``barrier``. Any staging's (the ``fn`` slice here, the tensor-core kernel's residual
+    streams); the callables give its addressing."""
+    tidx, _, _ = cute.arch.thread_idx()
+    for trip in cutlass.range_constexpr(-(-rows // threads)):
+        row = tidx + trip * threads
+        if row < Int32(rows):
+            offset = element(row)
+            ptx.bulk_copy(slot(row), source.toint() + offset * 2, Int32(row_bytes), barrier)
+
+
+@cute.jit
 def copy(
     fn: cute.Pointer,
     staged: cute.Pointer,
@@ -59,15 +83,14 @@ def copy(
 ) -> None:
     """Start the copies of ``fn``'s columns ``[first_fragment, + fragments)`` (in fragments) into
     ``staged`` (``Uint32``), against an armed ``barrier``."""
-    tidx, _, _ = cute.arch.thread_idx()
     stride = fn_chunk_words(fragments, rotation)
-    for trip in cutlass.range_constexpr(-(-FN_CHUNKS // threads)):
-        chunk = tidx + trip * threads
-        if chunk < Int32(FN_CHUNKS):
-            row = chunk // HC
-            stream = chunk % HC
-            element = Int64(row) * (HC * hidden) + Int64(stream) * hidden + Int64(first_fragment) * VEC_BF16
-            ptx.bulk_copy(staged + chunk * stride, fn.toint() + element * 2, Int32(fragments * 16), barrier)
+
+    def element(chunk: Int32) -> Int64:
+        row = chunk // HC
+        stream = chunk % HC
+        return Int64(row) * (HC * hidden) + Int64(stream) * hidden + Int64(first_fragment) * VEC_BF16
+
+    copy_rows(fn, element, lambda chunk: staged + chunk * stride, FN_CHUNKS, fragments * 16, barrier, threads)
 
 
 @cute.jit

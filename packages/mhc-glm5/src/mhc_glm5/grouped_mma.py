@@ -50,16 +50,13 @@ import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, Int64, Uint32
 
 from mhc_core.constants import VEC_BF16, WARP_SIZE
-from mhc_core.device import protocol, ptx, reduce
+from mhc_core.device import protocol, ptx
 
-from . import fn_stage
+from . import fn_stage, stages
 from .boundary import (
+    BoundaryArgs,
     BoundaryConfig,
     BoundaryKernel,
-    inverse_rms,
-    mixes_rstd,
-    pre_mix,
-    write_raw_mixes,
 )
 from .config import (
     FN_ROTATION_ROWS,
@@ -91,31 +88,6 @@ def staged_slot(fragment: Int32, source: Int32, token: Int32, fragments: cutlass
     return (token * HC + source) * fn_chunk_words(fragments, FN_ROTATION_ROWS) + fragment * 4
 
 
-@cute.jit
-def stage_streams(
-    residual: cute.Pointer,
-    staged: cute.Pointer,
-    barrier: cute.Pointer,
-    first: Int32,
-    last: Int32,
-    first_fragment: Int32,
-    fragments: cutlass.Constexpr[int],
-    tokens: cutlass.Constexpr[int],
-    hidden: cutlass.Constexpr[int],
-    threads: cutlass.Constexpr[int],
-) -> None:
-    """Start one bulk copy per (token, source): the CTA's columns of that residual stream, against
-    an armed ``barrier`` (a short last group copies its last token again)."""
-    tidx, _, _ = cute.arch.thread_idx()
-    for trip in cutlass.range_constexpr(-(-(tokens * HC) // threads)):
-        row = tidx + trip * threads
-        if row < Int32(tokens * HC):
-            token = cutlass.min(first + row // HC, last)
-            element = (Int64(token) * HC + Int64(row % HC)) * hidden + Int64(first_fragment) * VEC_BF16
-            slot = staged + staged_slot(Int32(0), row % HC, row // HC, fragments)
-            ptx.bulk_copy(slot, residual.toint() + element * 2, Int32(fragments * 16), barrier)
-
-
 class MmaGroupBoundaryKernel(BoundaryKernel):
     name = "boundary_mma"
     config_type = BoundaryConfig
@@ -133,30 +105,8 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
     def block_threads(self) -> int:
         return mma_threads(self.config.hidden, self.config.cluster_size)
 
-    @cute.kernel
-    def kernel(
-        self,
-        residual: cute.Pointer,
-        post: cute.Pointer,
-        comb: cute.Pointer,
-        fn: cute.Pointer,
-        scale: cute.Pointer,
-        base: cute.Pointer,
-        gamma: cute.Pointer,
-        residual_out: cute.Pointer,
-        mixes_out: cute.Pointer,
-        layer_input: cute.Pointer,
-        x: cute.Pointer,
-        prefetch: Int32,
-        direct: Int32,
-        mailbox: cute.Tensor,
-        stage_state: cute.Tensor,
-        capacity: Int32,
-        spin_limit_ns: Int64,
-        error_flag: Int64,
-        arrivals: cute.Tensor,
-        m: Int32,
-    ):
+    @cute.jit
+    def body(self, args: BoundaryArgs):
         config = self.config
         hidden, tp, cluster, tokens = config.hidden, config.tp, config.cluster_size, config.tokens
         fragments, threads = config.groups_per_cta, self.block_threads()
@@ -172,8 +122,8 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         local = warp * FRAGMENTS_PER_WARP  # the warp's first fragment in the CTA
         first_fragment = cluster_rank * fragments + local
         first = group * tokens
-        last = m - 1
-        from_x = protocol.reads_x(direct, tp)
+        last = args.m - 1
+        from_x = protocol.reads_x(args.direct, tp)
 
         smem = cutlass.memory.SmemAllocator()
         fn_staged, fn_barrier = fn_stage.allocate(smem, fragments, FN_ROTATION_ROWS)
@@ -182,24 +132,26 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
             Uint32, tokens * HC * fn_chunk_words(fragments, FN_ROTATION_ROWS), byte_alignment=16
         )
         mix_inputs = smem.allocate_array(Float32, tokens * MIX_INPUTS)
-        warp_sums = smem.allocate_array(Float32, warps * tokens * VALUES)
-        cluster_sums = smem.allocate_array(Float32, cluster * tokens * VALUES)
-        totals = smem.allocate_array(Float32, tokens * VALUES)
-        warp_sums2 = smem.allocate_array(Float32, warps * tokens)
-        cluster_sums2 = smem.allocate_array(Float32, cluster * tokens)
+        sums = stages.ClusterSums.allocate(smem, tidx, cluster_rank, tokens, warps, cluster, token_major=False)
 
-        if (prefetch == Int32(0)) | from_x:
-            cute.arch.griddepcontrol_wait()
-        # The stage and the error word first: the poll needs the stage, and a direct read's poison
-        # select the error word, so their load is in flight while the prologue is issued.
-        stage, poisoned = protocol.stage_before_wait(stage_state)
+        stage, poisoned = stages.begin(args.prefetch, from_x, args.stage_state)
         # What the post-mix needs is requested first (the streams, x when read directly, post /
         # comb), fn after it: the SM takes them in about that order. Both barriers are armed first.
         fn_stage.arm(staged_barrier, tokens * HC * fragments * 16)
         fn_stage.arm(fn_barrier, fn_stage.slice_bytes(fragments))
         cute.arch.barrier()
-        stage_streams(residual, staged, staged_barrier, first, last, cluster_rank * fragments, fragments, tokens,
-                      hidden, threads)  # fmt: skip
+        # The residual streams: one bulk copy per (token, source) row of the CTA's columns (a short
+        # last group copies its last token again).
+        cta_fragment = cluster_rank * fragments
+
+        def stream_row(row: Int32) -> Int64:
+            token = cutlass.min(first + row // HC, last)
+            return (Int64(token) * HC + Int64(row % HC)) * hidden + Int64(cta_fragment) * VEC_BF16
+
+        fn_stage.copy_rows(
+            args.residual, stream_row, lambda row: staged + staged_slot(Int32(0), row % HC, row // HC, fragments),
+            tokens * HC, fragments * 16, staged_barrier, threads,
+        )  # fmt: skip
         # Per token half: lane q's fragments of token g (or g + 8), every rank (x: rank 0 only).
         kept = [
             cute.make_rmem_tensor(cute.make_layout((LANE_FRAGMENTS, tp, 4), stride=(tp * 4, 4, 1)), Uint32)
@@ -212,29 +164,20 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
                 token = cutlass.min(first + h * TOKENS_PER_HALF + g, last)
                 for k in cutlass.range_constexpr(LANE_FRAGMENTS):
                     column = Int64(first_fragment + q + k * HC) * VEC_BF16
-                    kept[h][k, 0, None].store(protocol.load_x_raw(x, token, column, hidden))
-        # post / comb: 4-byte asynchronous copies (their rows are only 4-byte aligned).
-        for trip in cutlass.range_constexpr(-(-(tokens * MIX_INPUTS) // threads)):
-            index = tidx + trip * threads
-            if index < Int32(tokens * MIX_INPUTS):
-                t = index // MIX_INPUTS
-                j = index % MIX_INPUTS
-                row = Int64(cutlass.min(first + t, last))
-                address = comb.toint() + (row * (HC * HC) + Int64(j - HC)) * 4
-                if j < Int32(HC):
-                    address = post.toint() + (row * HC + Int64(j)) * 4
-                ptx.copy_async_4(mix_inputs + index, address)
-        cute.arch.cp_async_commit_group()
-        fn_stage.copy(fn, fn_staged, fn_barrier, cluster_rank * fragments, fragments, FN_ROTATION_ROWS, hidden, threads)
+                    kept[h][k, 0, None].store(protocol.load_x_raw(args.x, token, column, hidden))
+        stages.stage_mix_inputs(tidx, args.post, args.comb, mix_inputs, first, last, tokens, threads, True)
+        fn_stage.copy(
+            args.fn, fn_staged, fn_barrier, cluster_rank * fragments, fragments, FN_ROTATION_ROWS, hidden, threads
+        )
         gamma_words = cute.make_rmem_tensor(cute.make_layout((LANE_FRAGMENTS, 4), stride=(4, 1)), Uint32)
         for k in cutlass.range_constexpr(LANE_FRAGMENTS):
             column = Int64(first_fragment + q + k * HC) * VEC_BF16
-            gamma_words[k, None].store(ptx.load_u32x4(gamma.toint() + column * 2))
+            gamma_words[k, None].store(stages.load_fragment(args.gamma, column))
 
         # Polled before the PDL wait; the wait comes before the first output store (``boundary``).
-        mailbox_base = mailbox.iterator.toint()
+        mailbox_base = args.mailbox.iterator.toint()
         polled = Boolean(True)
-        counter = (group == 0) & (cluster_rank == 0) & (tidx == 0) & (spin_limit_ns > Int64(0))
+        counter = stages.counts_tokens(group, cluster_rank, tidx, args.spin_limit_ns)
         squares = cute.make_rmem_tensor(cute.make_layout((halves,)), Float32)
         for h in cutlass.range_constexpr(halves):
             t = h * TOKENS_PER_HALF + g
@@ -246,13 +189,13 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
                 # One thread polls every rank of its two fragments (fragment step 4, rank lanes 1).
                 half_poisoned = protocol.poll_slots(
                     kept[h], mailbox_base, stage, token, token, first_fragment + q, Int32(0), active, LANE_FRAGMENTS,
-                    tp, 1, capacity, hidden, spin_limit_ns, error_flag, stage_state.iterator.toint(), poisoned, 0, HC,
-                    tp > 1 and h == 0, counter, m,
+                    tp, 1, args.capacity, hidden, args.spin_limit_ns, args.error_flag,
+                    args.stage_state.iterator.toint(), poisoned, 0, HC, tp > 1 and h == 0, counter, args.m,
                 )  # fmt: skip
                 poisoned = poisoned | half_poisoned
                 protocol.rearm_slots(
                     mailbox_base, stage, token, token, first_fragment + q, Int32(0),
-                    active & (half_poisoned == Boolean(False)), LANE_FRAGMENTS, tp, 1, capacity, hidden, 0, HC,
+                    active & (half_poisoned == Boolean(False)), LANE_FRAGMENTS, tp, 1, args.capacity, hidden, 0, HC,
                 )  # fmt: skip
             if cutlass.const_expr(h == halves - 1):
                 cute.arch.griddepcontrol_launch_dependents()
@@ -277,15 +220,11 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
                     for i in range(HC)
                 ]
                 for j in cutlass.range_constexpr(HC):
-                    mixed = summed * cute.arch.load((inputs + j).llvm_ptr, Float32)
-                    for i in cutlass.range_constexpr(HC):
-                        mixed = mixed + sources[i] * cute.arch.load((inputs + HC + i * HC + j).llvm_ptr, Float32)
-                    stream_words = ptx.f32x8_to_words(mixed)
+                    stream_words = stages.post_mix_staged(summed, inputs, j, lambda i: sources[i])  # noqa: B023
                     square = square + ptx.dot_bf16x8(stream_words, stream_words, config.mixed_fma)
                     # This lane alone reads source j of this fragment and token.
                     ptx.store_shared_u32x4(staged + staged_slot(f, j, t, fragments), stream_words)
-            for step in cutlass.range_constexpr(2):
-                square = square + cute.arch.shuffle_sync_bfly(square, offset=1 << step, mask=-1, mask_and_clamp=31)
+            square = stages.group_sum(square)
             squares[h] = square
         # The MMA reads the streams the other lanes of the warp wrote.
         cute.arch.sync_warp()
@@ -311,37 +250,20 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
             for h in cutlass.range_constexpr(halves):
                 for k in cutlass.range_constexpr(2):
                     t = h * TOKENS_PER_HALF + g
-                    slot = warp_sums + (warp * tokens + t) * VALUES + tile * 8 + 2 * q + k
+                    slot = sums.warp + (warp * tokens + t) * VALUES + tile * 8 + 2 * q + k
                     cute.arch.store(slot.llvm_ptr, acc[tile, 2 * h + k])
         for h in cutlass.range_constexpr(halves):
             if q == Int32(0):
                 t = h * TOKENS_PER_HALF + g
-                cute.arch.store((warp_sums + (warp * tokens + t) * VALUES + MIX).llvm_ptr, squares[h])
-        cute.arch.barrier()
-        # Every CTA's per-token sums into every peer's slot, then the totals.
-        pairs = tokens * VALUES
-        for trip in cutlass.range_constexpr(-(-pairs // threads)):
-            index = tidx + trip * threads
-            if index < Int32(pairs):
-                total = Float32(0.0)
-                for w in cutlass.range_constexpr(warps):
-                    total = total + cute.arch.load((warp_sums + w * pairs + index).llvm_ptr, Float32)
-                for peer in cutlass.range_constexpr(cluster):
-                    ptx.store_to_peer_f32(cluster_sums + cluster_rank * pairs + index, Int32(peer), total)
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
-        for trip in cutlass.range_constexpr(-(-pairs // threads)):
-            index = tidx + trip * threads
-            if index < Int32(pairs):
-                cute.arch.store((totals + index).llvm_ptr, reduce.cluster_total(cluster_sums, index, pairs, cluster))
-        cute.arch.barrier()
+                cute.arch.store((sums.warp + (warp * tokens + t) * VALUES + MIX).llvm_ptr, squares[h])
+        sums.values_to_cluster()
 
         # Raw mixes handed off (CTA 0, one warp per token), then the collapse of each token.
         for trip in cutlass.range_constexpr(-(-tokens // warps)):
             t = warp + trip * warps
             if (cluster_rank == 0) & (lane_id == 0) & (t < Int32(tokens)) & (first + t <= last):
-                rstd = mixes_rstd(totals + t * VALUES, hidden, config.rms_eps)
-                write_raw_mixes(totals + t * VALUES, rstd, mixes_out, first + t)
+                rstd = stages.mixes_rstd(sums.totals + t * VALUES, hidden, config.rms_eps)
+                stages.write_raw_mixes(sums.totals + t * VALUES, rstd, args.mixes_out, first + t)
         cute.arch.griddepcontrol_wait()
         hc_eps = Float32(config.hc_eps)
         prenorm = cute.make_rmem_tensor(
@@ -349,11 +271,9 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         )
         for h in cutlass.range_constexpr(halves):
             t = h * TOKENS_PER_HALF + g
-            rstd = mixes_rstd(totals + t * VALUES, hidden, config.rms_eps)
+            rstd = stages.mixes_rstd(sums.totals + t * VALUES, hidden, config.rms_eps)
             pre = [
-                pre_mix(
-                    cute.arch.load((totals + t * VALUES + j).llvm_ptr, Float32) * rstd, scale, base, Int32(j), hc_eps
-                )
+                stages.pre_mix(sums.totals + t * VALUES, rstd, Int32(j), args.scale, args.base, hc_eps)
                 for j in range(HC)
             ]
             square = Float32(0.0)
@@ -363,40 +283,26 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
                 if first + t <= last:
                     column = Int64(first_fragment + q + k * HC) * VEC_BF16
                     for j in cutlass.range_constexpr(HC):
-                        output = (Int64(first + t) * HC + Int64(j)) * hidden + column
-                        ptx.store_u32x4(residual_out.toint() + output * 2, streams[j])
+                        element = stages.stream_element(first + t, j, column, hidden)
+                        stages.store_fragment(args.residual_out, element, streams[j])
                 terms = [ptx.words_to_f32x8(streams[j]) * pre[j] for j in range(HC)]
                 collapsed = ptx.f32x8_to_words((terms[0] + terms[1]) + (terms[2] + terms[3]))
                 prenorm[h, k, None].store(collapsed)
                 square = square + ptx.dot_bf16x8(collapsed, collapsed, config.mixed_fma)
-            for step in cutlass.range_constexpr(2):
-                square = square + cute.arch.shuffle_sync_bfly(square, offset=1 << step, mask=-1, mask_and_clamp=31)
+            square = stages.group_sum(square)
             if q == Int32(0):
-                cute.arch.store((warp_sums2 + warp * tokens + t).llvm_ptr, square)
-        cute.arch.barrier()
-        if tidx < Int32(tokens * cluster):
-            t = tidx // cluster
-            peer = tidx % cluster
-            total = Float32(0.0)
-            for w in cutlass.range_constexpr(warps):
-                total = total + cute.arch.load((warp_sums2 + w * tokens + t).llvm_ptr, Float32)
-            ptx.store_to_peer_f32(cluster_sums2 + cluster_rank * tokens + t, peer, total)
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
+                cute.arch.store((sums.warp_squares + warp * tokens + t).llvm_ptr, square)
+        sums.squares_to_cluster()
 
         for h in cutlass.range_constexpr(halves):
             t = h * TOKENS_PER_HALF + g
             token = first + t
             if token <= last:
-                sum_square = reduce.cluster_total(cluster_sums2, t, tokens, cluster)
-                inv_rms = inverse_rms(sum_square, hidden, config.norm_eps)
+                sum_square = sums.square_total(t)
+                inv_rms = stages.inverse_rms(sum_square, hidden, config.norm_eps)
                 for k in cutlass.range_constexpr(LANE_FRAGMENTS):
                     weight = ptx.words_to_f32x8(gamma_words[k, None].load())
                     result = ptx.words_to_f32x8(prenorm[h, k, None].load()) * inv_rms * weight
                     column = Int64(first_fragment + q + k * HC) * VEC_BF16
-                    ptx.store_u32x4(
-                        layer_input.toint() + (Int64(token) * hidden + column) * 2, ptx.f32x8_to_words(result)
-                    )
-        clusters = (m + tokens - 1) // tokens
-        leader = (cluster_rank == 0) & (tidx == 0) & polled & (poisoned == Boolean(False))
-        protocol.advance_stage_after_all(stage_state, arrivals, stage, clusters, leader)
+                    stages.store_row(args.layer_input, token, column, hidden, result)
+        stages.finish(tidx, args.stage_state, args.arrivals, stage, args.m, tokens, cluster_rank, polled, poisoned)
