@@ -54,8 +54,44 @@ def default_geometry(hidden: int, hc: int, tp: int) -> dict[str, int]:
     return {"cluster_size": cluster_size, "threads": DEFAULT_THREADS, "rank_lanes": DEFAULT_RANK_LANES}
 
 
+class CollectiveGeometry:
+    """The collective's launch geometry, derived from ``hidden``, ``threads``, ``rank_lanes`` and
+    ``cluster_size``: what a preset reports and the kernel's config compiles (one definition)."""
+
+    __slots__ = ()
+    hidden: int
+    threads: int
+    rank_lanes: int
+    cluster_size: int
+
+    @property
+    def fragments(self) -> int:
+        return self.hidden // VEC_BF16
+
+    @property
+    def groups_per_cta(self) -> int:
+        return self.threads // self.rank_lanes
+
+    @property
+    def fragment_stride(self) -> int:
+        return self.cluster_size * self.groups_per_cta
+
+    @property
+    def trips(self) -> int:
+        return -(-self.fragments // self.fragment_stride)
+
+    @property
+    def warps(self) -> int:
+        return self.threads // WARP_SIZE
+
+    @property
+    def shared_bytes(self) -> int:
+        """Warp sums and one slot per cluster peer for the RMSNorm sum of squares."""
+        return (self.warps + self.cluster_size) * 4
+
+
 @dataclass(frozen=True, slots=True)
-class DSV41Preset:
+class DSV41Preset(CollectiveGeometry):
     """One DSV4.1 target. Every value is validated; see the module docstring for the geometry."""
 
     name: str
@@ -96,32 +132,7 @@ class DSV41Preset:
             self.cluster_size,
         )
 
-    # ------------------------------------------------------------ geometry
-    @property
-    def fragments(self) -> int:
-        return self.hidden // VEC_BF16
-
-    @property
-    def groups_per_cta(self) -> int:
-        return self.threads // self.rank_lanes
-
-    @property
-    def fragment_stride(self) -> int:
-        return self.cluster_size * self.groups_per_cta
-
-    @property
-    def trips(self) -> int:
-        return -(-self.fragments // self.fragment_stride)
-
-    @property
-    def warps(self) -> int:
-        return self.threads // WARP_SIZE
-
-    @property
-    def shared_bytes(self) -> int:
-        """Warp sums and one slot per cluster peer for the RMSNorm sum of squares."""
-        return (self.warps + self.cluster_size) * 4
-
+    # ------------------------------------------------------------ geometry (CollectiveGeometry)
     def geometry(self) -> dict[str, Any]:
         return {
             "grid": f"(M, {self.cluster_size}, 1)",
@@ -167,7 +178,7 @@ class DSV41Preset:
 
 
 @dataclass(frozen=True, slots=True)
-class MHCConfig:
+class MHCConfig(CollectiveGeometry):
     """Compile-time constants of the collective (``mhc_dsv41.kernel``; the geometry rules above)."""
 
     hidden: int
@@ -186,27 +197,3 @@ class MHCConfig:
             raise ValueError(f"threads: expected a multiple of 32 and of rank_lanes in [32, 1024], got {self.threads}")
         if not 1 <= self.cluster_size <= 8:
             raise ValueError(f"cluster_size: expected 1..8, got {self.cluster_size}")
-
-    @property
-    def fragments(self) -> int:
-        return self.hidden // VEC_BF16
-
-    @property
-    def groups_per_cta(self) -> int:
-        return self.threads // self.rank_lanes
-
-    @property
-    def fragment_stride(self) -> int:
-        return self.cluster_size * self.groups_per_cta
-
-    @property
-    def trips(self) -> int:
-        return -(-self.fragments // self.fragment_stride)
-
-    @property
-    def warps(self) -> int:
-        return self.threads // WARP_SIZE
-
-    @property
-    def shared_bytes(self) -> int:
-        return (self.warps + self.cluster_size) * 4

@@ -18,7 +18,7 @@ from mhc_core.host.calls import M, Rule, ScalarRule, TensorRule, tensor
 from mhc_core.host.compiler import KernelSpec
 from mhc_core.host.moe import MoEOutput
 from mhc_core.host.op import LamportOp
-from mhc_core.host.programs import Fixed, Launch, Pointer, Scalar, Source
+from mhc_core.host.programs import Fixed, Launch, Pointer, Scalar, Source, pointers
 from mhc_core.host.validation import check_int, check_positive_float
 from mhc_core.presets import warn_if_untuned
 
@@ -154,10 +154,7 @@ class AllReduceMHC(LamportOp):
     def _collect_launches(self, *, direct: bool, prefetch: Source) -> list[Launch]:
         sources: dict[str, Source] = dict(
             self._collective_fixed(),
-            residual=Pointer("residual"),
-            post=Pointer("post"),
-            comb=Pointer("comb"),
-            pre=Pointer("pre"),
+            **pointers("residual", "post", "comb", "pre"),
             gamma=Pointer("norm_weight"),
             residual_out=Pointer("out[0] (residual_out)"),
             layer_input=Pointer("out[1] (layer_input)"),

@@ -37,7 +37,7 @@ from mhc_core.host.calls import M, Rule, TensorRule, tensor
 from mhc_core.host.compiler import KernelSpec
 from mhc_core.host.moe import MoEOutput
 from mhc_core.host.op import LamportOp
-from mhc_core.host.programs import DIM_M, Fixed, Launch, Pointer, Source
+from mhc_core.host.programs import DIM_M, Fixed, Launch, Pointer, Source, pointers
 from mhc_core.host.streams import SideWork
 from mhc_core.host.validation import check_int
 from mhc_core.presets import PresetError, warn_if_untuned
@@ -254,12 +254,7 @@ class AllReduceMhcBoundary(LamportOp):
         residual_out, post_out, comb_out, layer_input = (Pointer(name) for name in OUTPUT_NAMES)
         boundary: dict[str, Source] = dict(
             self._collective_fixed(),
-            residual=Pointer("residual"),
-            post=Pointer("post"),
-            comb=Pointer("comb"),
-            fn=Pointer("fn"),
-            scale=Pointer("scale"),
-            base=Pointer("base"),
+            **pointers("residual", "post", "comb", "fn", "scale", "base"),
             gamma=Pointer("norm_weight"),
             residual_out=residual_out,
             layer_input=layer_input,
@@ -281,8 +276,7 @@ class AllReduceMhcBoundary(LamportOp):
             state=Fixed(self.mailbox.stage_state.data_ptr()),
             mixes=Fixed(self._mixes_handoff),
             raw_out=Fixed(self._raw_mixes),
-            scale=Pointer("scale"),
-            base=Pointer("base"),
+            **pointers("scale", "base"),
             post_out=post_out,
             comb_out=comb_out,
             m=DIM_M,

@@ -66,6 +66,11 @@ class _Marker:
     index: int
 
 
+def pointers(*names: str) -> dict[str, Pointer]:
+    """``{name: Pointer(name)}``: kernel parameters named like the call's parameters they point to."""
+    return {name: Pointer(name) for name in names}
+
+
 DIM_M = _Marker(2, 0)
 DIM_ROWS = _Marker(2, 1)
 AFTER_PUBLISH = _Marker(4, 0)
