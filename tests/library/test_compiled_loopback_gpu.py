@@ -103,3 +103,68 @@ def test_calls_in_a_row_equal_eager_bitwise(model: str) -> None:
         for rank, (a_outputs, e_outputs) in enumerate(zip(mine, theirs, strict=True)):
             for k, (a, e) in enumerate(zip(a_outputs, e_outputs, strict=True)):
                 assert_bitwise_equal(a, e, f"{name}: call {call}, rank {rank}, output {k}")
+
+
+def shared_of(case) -> tuple:
+    return tuple(case.shared.values()) if isinstance(case.shared, dict) else tuple(case.shared)
+
+
+def assert_calls_equal(actual: list, expected: list, what: str) -> None:
+    for call, (mine, theirs) in enumerate(zip(actual, expected, strict=True)):
+        for rank, (a_outputs, e_outputs) in enumerate(zip(mine, theirs, strict=True)):
+            for k, (a, e) in enumerate(zip(a_outputs, e_outputs, strict=True)):
+                assert_bitwise_equal(a, e, f"{what}: call {call}, rank {rank}, output {k}")
+
+
+def cloned(calls: list) -> list:
+    """A graph's outputs copied out before the next replay overwrites them."""
+    return [[tuple(t.clone() for t in outputs) for outputs in call] for call in calls]
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_reduce_overhead_runs_as_a_cuda_graph(model: str) -> None:
+    """The same chain at loopback tp 2 under ``mode="reduce-overhead"``: no CUDA-graph skip, and every
+    run (warm-up, recording, replays) equal to eager bitwise."""
+    from torch._dynamo.utils import counters
+
+    name, build, family, compiled_calls, eager_calls = MODELS[model]
+    ops = build(name, CAPACITY)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(
+        lambda partials, *shared: compiled_calls(ops, partials, *shared), fullgraph=True, mode="reduce-overhead"
+    )
+    for seed in range(4):
+        case = family.case(ops, M, torch.Generator("cuda").manual_seed(40 + seed), negative_zero=True)
+        actual = cloned(compiled(case.partials, *shared_of(case)))
+        expected = eager_calls(ops, case.partials, *shared_of(case))
+        torch.cuda.synchronize()
+        assert_calls_equal(actual, expected, f"{name} reduce-overhead run {seed}")
+    skips = dict(counters["inductor"])
+    assert not any(key.startswith("cudagraph_skips") and value for key, value in skips.items()), skips
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_manual_capture_of_the_compiled_function(model: str) -> None:
+    """The compiled chain at loopback tp 2 captured by hand, replayed on fresh data copied into its
+    inputs, equal to eager on the same inputs, bitwise."""
+    name, build, family, compiled_calls, eager_calls = MODELS[model]
+    ops = build(name, CAPACITY)
+    static = family.case(ops, M, torch.Generator("cuda").manual_seed(50), negative_zero=True)
+    static_shared = shared_of(static)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda partials, *shared: compiled_calls(ops, partials, *shared), fullgraph=True)
+    compiled(static.partials, *static_shared)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = compiled(static.partials, *static_shared)
+    for seed in range(3):
+        fresh = family.case(ops, M, torch.Generator("cuda").manual_seed(60 + seed), negative_zero=True)
+        for tensor, value in zip([*static.partials, *static_shared], [*fresh.partials, *shared_of(fresh)], strict=True):
+            tensor.copy_(value)
+        graph.replay()
+        actual = cloned(captured)
+        expected = eager_calls(ops, static.partials, *static_shared)
+        torch.cuda.synchronize()
+        assert_calls_equal(actual, expected, f"{name} replay {seed}")
