@@ -168,12 +168,7 @@ class AllReduceMHC(LamportOp):
         return [Launch([kernel.function], kernel.signature, sources)]
 
     def _allocate(self, like: Any, values: tuple[Any, ...], m: int) -> tuple[torch.Tensor, ...]:
-        layer_input = (
-            torch.empty_like(like)  # x or the MoE shared output: [M, hidden] BF16 like the layer input
-            if like is not None
-            else torch.empty((m, self.hidden_size), dtype=torch.bfloat16, device=self.device)
-        )
-        return torch.empty_like(values[0]), layer_input  # values[0]: the residual streams
+        return torch.empty_like(values[0]), self._hidden_like(like, m)  # values[0]: the residual streams
 
     def _warmup_collects(self) -> list[tuple[tuple[Any, ...], int]]:
         hc, hidden, device = self.hc_mult, self.hidden_size, self.device

@@ -250,6 +250,11 @@ class AllReduceMhcBoundary(LamportOp):
             for name, shape, dtype in zip(OUTPUT_NAMES, shapes, OUTPUT_DTYPES, strict=True)
         )
 
+    def _variant_tokens(self) -> list[int]:
+        """Tokens per cluster of the boundary launch's variants, in order: 1 below the first
+        threshold, then each ``cluster_tokens`` entry's (the native program picks by M)."""
+        return [1, *(tokens for _, tokens in self.cluster_tokens)]
+
     def _collect_launches(self, *, direct: bool, prefetch: Source) -> list[Launch]:
         residual_out, post_out, comb_out, layer_input = (Pointer(name) for name in OUTPUT_NAMES)
         boundary: dict[str, Source] = dict(
@@ -265,8 +270,7 @@ class AllReduceMhcBoundary(LamportOp):
             prefetch=prefetch,
             direct=Fixed(int(direct)),
         )
-        tokens = [1, *(tokens for _, tokens in self.cluster_tokens)]
-        kernels = [self._boundary_kernels[count] for count in tokens]
+        kernels = [self._boundary_kernels[count] for count in self._variant_tokens()]
         assert self.mailbox is not None
         mixes: dict[str, Source] = dict(
             # The hand-off wait outlasts the boundary's own (``SpinGuard.handoff_limit_ns``); a timeout
@@ -297,12 +301,7 @@ class AllReduceMhcBoundary(LamportOp):
         residual, post, comb = values[:3]
         # post is [M, 4, 1] or [M, 4]: post_out is [M, 4, 1] either way (a contiguous view of the latter).
         post_out = torch.empty_like(post) if post.dim() == 3 else torch.empty_like(post).unsqueeze(2)
-        layer_input = (
-            torch.empty_like(like)  # x or the MoE shared output: [M, hidden] BF16 like the layer input
-            if like is not None
-            else torch.empty((m, self.hidden_size), dtype=torch.bfloat16, device=self.device)
-        )
-        return torch.empty_like(residual), post_out, torch.empty_like(comb), layer_input
+        return torch.empty_like(residual), post_out, torch.empty_like(comb), self._hidden_like(like, m)
 
     def _warmup_collects(self) -> list[tuple[tuple[Any, ...], int]]:
         hidden, device = self.hidden_size, self.device
@@ -314,7 +313,7 @@ class AllReduceMhcBoundary(LamportOp):
         base = torch.zeros(MIX, dtype=torch.float32, device=device)
         weight = torch.ones(hidden, dtype=torch.bfloat16, device=device)
         values = (residual, post, comb, fn, scale, base, weight)
-        tokens = [1, *(tokens for _, tokens in self.cluster_tokens)]
+        tokens = self._variant_tokens()
         # One launch of each boundary kernel (the variant that first serves its tokens per cluster).
         return [(values, tokens.index(count)) for count in self._boundary_kernels]
 

@@ -74,9 +74,7 @@ class LamportAllReduce(LamportOp):
         return [Launch([kernel.function], kernel.signature, dict(self._collective_fixed(), out=Pointer("out")))]
 
     def _allocate(self, like: Any, values: tuple, m: int) -> tuple[torch.Tensor, ...]:
-        if like is not None:  # x or the MoE shared output: [M, hidden] BF16 like the result
-            return (torch.empty_like(like),)
-        return (torch.empty((m, self.hidden_size), dtype=torch.bfloat16, device=self.device),)
+        return (self._hidden_like(like, m),)
 
     def _returns(self, outputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         return outputs[0]

@@ -351,6 +351,13 @@ class LamportOp:
         allocation torch offers from Python), so they are ordinary torch tensors."""
         raise NotImplementedError
 
+    def _hidden_like(self, like: Any, m: int) -> torch.Tensor:
+        """A new ``[M, hidden]`` BF16 output: ``empty_like`` of the publish input ``like`` (x or the MoE
+        shared output, already that shape and dtype), or by its shape for a collect (no input)."""
+        if like is not None:
+            return torch.empty_like(like)
+        return torch.empty((m, self.hidden_size), dtype=torch.bfloat16, device=self.device)
+
     def _returns(self, outputs: tuple[torch.Tensor, ...]) -> Any:
         """What a call returns, given its outputs (the all-reduce returns its one tensor)."""
         return outputs

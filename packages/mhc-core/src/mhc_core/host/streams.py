@@ -95,11 +95,11 @@ class CallOrder:
         """Before a call's first launch: order it after the previous call; returns the capture id
         (0: eager)."""
         self.in_call = True
-        if self._eager_handle and current_stream_handle(self._index) == self._eager_handle and not _is_capturing():
-            # The common eager case, a call on the stream of the previous one: nothing to order.
-            self.stream, self.capture = self._eager, 0
-            return 0
         stream, capture = self.current()
+        if not capture and stream is self._eager:
+            # The common eager case, a call on the stream of the previous one: nothing to order.
+            self.stream, self.capture = stream, 0
+            return 0
         captured = self._captured
         if capture and captured is not None and captured.capture == capture:
             if captured.stream != stream:

@@ -72,11 +72,6 @@ struct Rule {
   bool binds_rows = false;
 };
 
-struct Output {
-  DLDataType dtype;
-  std::vector<int64_t> shape;
-};
-
 struct Arg {
   Source source;
   int64_t index;
@@ -92,7 +87,7 @@ struct Launch {
 
 struct Program {
   std::vector<Rule> rules;
-  std::vector<Output> outputs;
+  std::vector<Rule> outputs;  // one dtype, one shape each: what a given output is checked against
   std::vector<Launch> launches;
   DLDevice device;
   int64_t capacity;
@@ -249,10 +244,7 @@ struct Call {
       if (check_only && value.type_index() == ffi::TypeIndex::kTVMFFINone) continue;
       auto tensor = as_tensor(value);
       if (!tensor) reject(index, "not a tensor");
-      Rule rule;
-      rule.dtypes = {program.outputs[o].dtype};
-      rule.shapes = {program.outputs[o].shape};
-      check_tensor(index, *tensor, rule, program.device, m, rows);
+      check_tensor(index, *tensor, program.outputs[o], program.device, m, rows);
       tensors[n_rules + o] = *tensor;
     }
   }
@@ -336,8 +328,10 @@ ffi::Function make_program(ffi::Array<ffi::Array<ffi::Any>> rules, ffi::Array<ff
     program->rules.push_back(std::move(rule));
   }
   for (const auto& o : outputs) {
-    program->outputs.push_back(
-        Output{to_dtype(o[0].cast<ffi::Array<int64_t>>()), to_shape(o[1].cast<ffi::Array<int64_t>>())});
+    Rule rule;
+    rule.dtypes = {to_dtype(o[0].cast<ffi::Array<int64_t>>())};
+    rule.shapes = {to_shape(o[1].cast<ffi::Array<int64_t>>())};
+    program->outputs.push_back(std::move(rule));
   }
   for (const auto& l : launches) {
     Launch launch;
