@@ -285,6 +285,32 @@ def test_glm_call_picks_its_boundary_and_launches_the_mixes_on_the_side_stream(m
         assert tensor.shape == shape and tensor.dtype == dtype and tensor.is_contiguous()
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_glm_side_stream_forks_before_the_boundary(tp: int) -> None:
+    """The mixes kernel polls the boundary's hand-off rows while the boundary runs: the side stream
+    forks before the boundary launch, not after it (forking at the side launch serialised the two,
+    +1.7 us at M = 1 on the H200). The native program carries the fork point; CPU programs record
+    no events, so this reads the program."""
+    op, _, _ = glm_op(tp)
+    programs = op._programs
+    for program in (programs.call, programs.collect, *programs.call_moe.values()):
+        names = [launch.signature is op._mixes_kernel.signature for launch in program.launches]
+        boundary = next(i for i, launch in enumerate(program.launches) if launch.forks_side)
+        assert program.launches[boundary].functions[0] is op._boundary_kernels[1].function
+        assert names.index(True) == boundary + 1
+
+
+def test_a_program_forks_its_side_stream_once_before_the_side_launch() -> None:
+    from mhc_core.host.programs import Launch, Program
+
+    op, _, _ = glm_op(1)
+    boundary, mixes = op._programs.collect.launches
+    program = op._programs.collect
+    for launches in ([mixes, boundary], [boundary, Launch(**{**vars(boundary), "forks_side": True})]):
+        with pytest.raises(ValueError, match="launches: expected at most one forks_side launch"):
+            Program(program.rules, program.outputs, launches, CPU, CAPACITY)
+
+
 def test_glm_warmup_launches_every_boundary_kernel() -> None:
     op, kernels, _ = glm_op(2, cluster_tokens=((4, 2), (6, 8)))
     for plan in op.warmup_rounds():

@@ -310,6 +310,61 @@ def test_cuda_graph_replays(m: int, name: str) -> None:
         check_boundary(op, outs, reference.all_reduce(partials, lanes=4), args, [o.raw_mixes[:m].clone() for o in ops])
 
 
+@pytest.mark.parametrize("name", ("h200-tp1-h4096", "h200-tp2-h4096"))
+def test_mixes_kernel_does_not_wait_for_the_boundary_in_a_graph(name: str, tmp_path) -> None:
+    """The side stream forks before the boundary: in a captured call no path of dependencies leads
+    from the boundary kernel to the mixes kernel (they run alongside, the mixes polling the hand-off
+    rows). Read from the graph's own dependency edges (CUDA's debug DOT dump), not from timing."""
+    import re
+
+    ops = ops_for(name)
+    op = ops[0]
+    generator = torch.Generator("cuda").manual_seed(5)
+    partials = [bf16_randn(4, op.hidden_size, generator=generator) for _ in ops]
+    args = boundary_inputs(4, op.hidden_size, generator)
+    run_ranks(ops, "call", [(p, *args.values()) for p in partials])  # eager first: build -> eager -> capture
+    for rank_op in ops:
+        rank_op.join()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    graph.enable_debug_mode()
+    with torch.cuda.graph(graph):
+        run_ranks(ops, "call", [(p, *args.values()) for p in partials])
+        for rank_op in ops:
+            rank_op.join()
+    dump = tmp_path / "graph.dot"
+    graph.debug_dump(str(dump))
+    text = dump.read_text()
+    edges: dict[str, set[str]] = {}
+    for source, target in re.findall(r'"([^"]+)"\s*->\s*"([^"]+)"', text):
+        edges.setdefault(source, set()).add(target)
+    # Each node's text runs from its definition to the next one; kernel names carry the class.
+    starts = [(match.start(), match.group(1)) for match in re.finditer(r'"([^"]+)"\s*\[', text)]
+    labels = {
+        node: text[at : (starts[i + 1][0] if i + 1 < len(starts) else len(text))] for i, (at, node) in enumerate(starts)
+    }
+    boundaries = [node for node, label in labels.items() if "BoundaryKernel" in label]
+    mixes = [node for node, label in labels.items() if "MixesKernel" in label]
+    assert boundaries and mixes, f"kernel nodes not found by name in {dump}: {text[:2000]}"
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            node = todo.pop()
+            if node == goal:
+                return True
+            if node not in seen:
+                seen.add(node)
+                todo.extend(edges.get(node, ()))
+        return False
+
+    graph.replay()
+    torch.cuda.synchronize()
+    for boundary in boundaries:
+        for mix in mixes:
+            assert not reaches(boundary, mix), "the mixes kernel waits for the boundary (the fork is late)"
+
+
 def mixes_alone(op):
     """The op's mixes kernel launched by itself (with the op's buffers and spin bound)."""
     from mhc_core.host.launch import BoundKernel

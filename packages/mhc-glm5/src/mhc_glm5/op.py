@@ -291,6 +291,8 @@ class AllReduceMhcBoundary(LamportOp):
                 kernels[0].signature,
                 boundary,
                 min_tokens=[1, *(threshold for threshold, _ in self.cluster_tokens)],
+                # The mixes kernel waits for what precedes the boundary, not for the boundary.
+                forks_side=True,
             ),
             # Launched after the boundary, so a boundary that fails to launch leaves no waiter; on
             # the side stream, forked before the boundary: it polls the hand-off rows alongside it.

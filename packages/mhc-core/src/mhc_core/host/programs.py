@@ -80,13 +80,17 @@ Source = Fixed | Pointer | Scalar | _Marker
 @dataclass(frozen=True)
 class Launch:
     """Kernels (TVM-FFI entry points) of one signature, and every parameter's source. ``side``:
-    launched on the op's side stream (forked off the current one first)."""
+    launched on the op's side stream. ``forks_side``: the side stream forks off the current one right
+    before this launch, so a later side launch waits for what precedes it, not for it (GLM's mixes
+    kernel runs alongside the boundary it polls); without such a launch the fork is right before the
+    first side launch."""
 
     functions: Sequence[Any]
     signature: Signature
     sources: Mapping[str, Source]
     min_tokens: Sequence[int] = (1,)
     side: bool = False
+    forks_side: bool = False
 
 
 def _dtype(dtype: torch.dtype) -> list[int]:
@@ -132,6 +136,13 @@ class Program:
     _held: list[Any] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
+        forks = [index for index, launch in enumerate(self.launches) if launch.forks_side]
+        sides = [index for index, launch in enumerate(self.launches) if launch.side]
+        if forks and (len(forks) > 1 or not sides or forks[0] > sides[0] or self.launches[forks[0]].side):
+            raise ValueError(
+                "launches: expected at most one forks_side launch, on the current stream and before the "
+                f"first side launch; got forks_side at {forks}, side launches at {sides}"
+            )
         names = [rule.name for rule in self.rules] + [rule.name for rule in self.outputs]
         launches = [self._encode_launch(launch, names) for launch in self.launches]
         device = [2 if self.device.type == "cuda" else 1, self.device.index or 0]
@@ -170,4 +181,4 @@ class Program:
                 args.append([3, scalars.index(source.name), None])
             else:
                 args.append([source.source, source.index, None])
-        return [int(launch.side), list(launch.min_tokens), list(launch.functions), args]
+        return [int(launch.side), int(launch.forks_side), list(launch.min_tokens), list(launch.functions), args]

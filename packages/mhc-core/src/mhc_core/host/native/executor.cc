@@ -15,8 +15,9 @@
 //      ValueError whose message starts "mhc-invalid"; the Python side then runs the same rules
 //      with the project's messages (`mhc_core.host.calls.check_call`), so the rules live in one
 //      declaration and the messages in one place;
-//   2. the launches run in order on the current stream or the op's side stream. The first side
-//      launch forks the side stream off the current one (one reused event); a join event, when
+//   2. the launches run in order on the current stream or the op's side stream. The side stream
+//      forks off the current one (one reused event) right before the launch marked forks_side,
+//      else right before the first side launch; a join event, when
 //      given, is waited on first; a side event, when given, is recorded after the last launch,
 //      and the op's done event (what a call on another stream waits for) after that;
 //   3. it returns the token count M. A check-only call (the two-phase form's plan) stops after
@@ -80,6 +81,7 @@ struct Arg {
 
 struct Launch {
   int64_t stream;                       // 0 current, 1 side
+  bool forks_side;                      // the side stream forks right before this launch
   std::vector<ffi::Function> variants;  // by token count: variant i serves M >= min_tokens[i]
   std::vector<int64_t> min_tokens;
   std::vector<Arg> args;
@@ -254,8 +256,9 @@ struct Call {
     std::vector<ffi::AnyView> values;
     for (const Launch& launch : program.launches) {
       void* on = launch.stream == 1 ? program.side_stream : stream;
-      if (launch.stream == 1 && !forked && program.fork_event != nullptr) {
-        // The side kernel waits for what precedes this point on the current stream, not longer.
+      if ((launch.forks_side || launch.stream == 1) && !forked && program.fork_event != nullptr) {
+        // The side kernel waits for what precedes this point on the current stream, not longer:
+        // forked before the launch that says so (GLM's boundary), else before the side launch.
         Driver::record_on(program.fork_event, stream);
         Driver::wait_on(program.side_stream, program.fork_event, 0);
         forked = true;
@@ -336,12 +339,13 @@ ffi::Function make_program(ffi::Array<ffi::Array<ffi::Any>> rules, ffi::Array<ff
   for (const auto& l : launches) {
     Launch launch;
     launch.stream = l[0].cast<int64_t>();
-    launch.min_tokens = to_shape(l[1].cast<ffi::Array<int64_t>>());
-    for (const auto& f : l[2].cast<ffi::Array<ffi::Function>>()) launch.variants.push_back(f);
+    launch.forks_side = l[1].cast<int64_t>() != 0;
+    launch.min_tokens = to_shape(l[2].cast<ffi::Array<int64_t>>());
+    for (const auto& f : l[3].cast<ffi::Array<ffi::Function>>()) launch.variants.push_back(f);
     if (launch.variants.empty() || launch.variants.size() != launch.min_tokens.size()) {
       TVM_FFI_THROW(ValueError) << "mhc: a launch needs one min_tokens entry per variant";
     }
-    for (const auto& a : l[3].cast<ffi::Array<ffi::Array<ffi::Any>>>()) {
+    for (const auto& a : l[4].cast<ffi::Array<ffi::Array<ffi::Any>>>()) {
       launch.args.push_back(Arg{static_cast<Source>(a[0].cast<int64_t>()), a[1].cast<int64_t>(), a[2]});
     }
     program->launches.push_back(std::move(launch));
