@@ -315,6 +315,7 @@ def test_mixes_kernel_does_not_wait_for_the_boundary_in_a_graph(name: str, tmp_p
     """The side stream forks before the boundary: in a captured call no path of dependencies leads
     from the boundary kernel to the mixes kernel (they run alongside, the mixes polling the hand-off
     rows). Read from the graph's own dependency edges (CUDA's debug DOT dump), not from timing."""
+    import ctypes
     import re
 
     ops = ops_for(name)
@@ -326,14 +327,17 @@ def test_mixes_kernel_does_not_wait_for_the_boundary_in_a_graph(name: str, tmp_p
     for rank_op in ops:
         rank_op.join()
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    graph.enable_debug_mode()
+    graph = torch.cuda.CUDAGraph(keep_graph=True)  # the captured graph stays readable
     with torch.cuda.graph(graph):
         run_ranks(ops, "call", [(p, *args.values()) for p in partials])
         for rank_op in ops:
             rank_op.join()
     dump = tmp_path / "graph.dot"
-    graph.debug_dump(str(dump))
+    verbose = 1  # CU_GRAPH_DEBUG_DOT_FLAGS_VERBOSE: kernel nodes with their function names
+    status = ctypes.CDLL("libcuda.so.1").cuGraphDebugDotPrint(
+        ctypes.c_void_p(graph.raw_cuda_graph()), str(dump).encode(), ctypes.c_uint(verbose)
+    )
+    assert status == 0, f"cuGraphDebugDotPrint: CUresult {status}"
     text = dump.read_text()
     edges: dict[str, set[str]] = {}
     for source, target in re.findall(r'"([^"]+)"\s*->\s*"([^"]+)"', text):
