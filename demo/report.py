@@ -28,6 +28,8 @@ class Row:
     fused_us: float
     isolated_us: dict[str, float]  # "attention unfused", "attention fused", "moe unfused", "moe fused"
     steps: list[dict] = field(default_factory=list)  # demo.check.StepResult.as_dict() per decode step
+    #: ``--diagnose``: the unfused path with each boundary behind an opaque custom op (``demo.opaque``).
+    opaque_us: float | None = None
 
     @property
     def boundaries(self) -> int:
@@ -52,6 +54,14 @@ class Row:
         return self.step_saving_us / expected if expected > 0 else float("nan")
 
     @property
+    def efficiency_opaque(self) -> float:
+        """The efficiency against the opaque unfused path (``--diagnose``; NaN without it)."""
+        expected = self.boundaries * self.per_boundary_saving_us
+        if self.opaque_us is None or expected <= 0:
+            return float("nan")
+        return (self.opaque_us - self.fused_us) / expected
+
+    @property
     def check_passed(self) -> bool:
         return bool(self.steps) and all(step["passed"] for step in self.steps)
 
@@ -62,6 +72,7 @@ class Row:
             "per_boundary_saving_us": self.per_boundary_saving_us,
             "step_saving_us": self.step_saving_us,
             "efficiency": self.efficiency,
+            "efficiency_opaque": self.efficiency_opaque,
             "check_passed": self.check_passed,
         }
 
@@ -99,6 +110,23 @@ def table(rows: Sequence[Row]) -> str:
                 f"{r.tokens_per_s(r.fused_us):.0f} | {r.boundaries} | {r.per_boundary_saving_us:.2f} ({kinds}) | "
                 f"{r.step_saving_us:.1f} | {r.efficiency:.2f} | {check_summary(r)} |"
             )
+        diagnosed = [r for r in mine if r.opaque_us is not None]
+        if diagnosed:
+            lines.append(
+                "\nwhere the saving goes (--diagnose): the unfused path with each boundary behind an opaque custom "
+                "op, as the fused op is"
+            )
+            lines.append(
+                "| M | unfused us | unfused, opaque boundaries us | fused us | inductor's fusion across "
+                "boundaries us | efficiency | efficiency against the opaque path |"
+            )
+            lines.append("|" + "---|" * 7)
+            for r in diagnosed:
+                assert r.opaque_us is not None
+                lines.append(
+                    f"| {r.m} | {r.unfused_us:.1f} | {r.opaque_us:.1f} | {r.fused_us:.1f} | "
+                    f"{r.opaque_us - r.unfused_us:.1f} | {r.efficiency:.2f} | {r.efficiency_opaque:.2f} |"
+                )
     return "\n".join(lines)
 
 

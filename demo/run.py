@@ -1,6 +1,7 @@
 """``python3 -m demo``: a decoder on the fused ops, end to end, against the unfused one (``nox -s demo``).
 
     python3 -m demo [--stack dsv41 glm5] [--m 1 8 64] [--steps 32] [--layers N] [--compile MODE] [--out DIR]
+                    [--diagnose]
     python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m demo     # tp 2, one rank per GPU
 
 For each stack (``demo.config``'s embedded defaults, random seeded weights, nothing downloaded)
@@ -49,6 +50,7 @@ from .check import Paths, StepResult, decode_check  # noqa: E402
 from .config import MODELS, StackConfig, default  # noqa: E402
 from .graphs import Graphed  # noqa: E402
 from .model import Stack, build  # noqa: E402
+from .opaque import OpaqueUnfusedBoundary  # noqa: E402
 from .tolerance import DRAWS  # noqa: E402
 
 DEFAULT_M = (1, 8, 64)
@@ -121,7 +123,17 @@ def timer(env: Environment):
 class Demo:
     """One stack on the GPU: the seeded model, its fused op, both paths compiled (not yet captured)."""
 
-    def __init__(self, config: StackConfig, env: Environment, *, capacity: int, compile_mode: str, gpu: str, seed: int):
+    def __init__(
+        self,
+        config: StackConfig,
+        env: Environment,
+        *,
+        capacity: int,
+        compile_mode: str,
+        gpu: str,
+        seed: int,
+        diagnose: bool = False,
+    ):
         self.config, self.env, self.seed = config, env, seed
         self.model: Stack = build(config, tp=env.tp, rank=env.rank, device=env.device, seed=seed)
         self.op = build_op(config, env, capacity, gpu)
@@ -139,6 +151,14 @@ class Demo:
 
         self.route = self.compile_fn(model.route)
         self.unfused, self.fused = self.compile_fn(unfused_step), self.compile_fn(fused_step)
+        self.opaque = None
+        if diagnose:
+            opaque_boundary = OpaqueUnfusedBoundary(config, env.group, self.compile_fn)
+
+            def opaque_step(tokens, routing):
+                return model(tokens, routing, opaque_boundary)
+
+            self.opaque = self.compile_fn(opaque_step)
 
     def tokens(self, m: int) -> torch.Tensor:
         generator = torch.Generator(self.env.device)
@@ -175,17 +195,22 @@ class Demo:
         tokens = self.tokens(m)
         unfused_us = time_us(lambda: self.unfused(tokens, self.route(tokens)))
         fused_us = time_us(lambda: self.fused(tokens, self.route(tokens)))
+        opaque = self.opaque
+        opaque_us = None if opaque is None else time_us(lambda: opaque(tokens, self.route(tokens)))
         boundaries = {"unfused": self.unfused_boundary, "fused": self.fused_boundary}
         routing = paths.route.outputs
         timings = isolated.measure(self.model, boundaries, paths.fused.outputs[1], routing, time_us, self.compile_fn)
         return report.Row(
             model=self.config.model, tp=self.env.tp, m=m, layers=self.config.layers, unfused_us=unfused_us,
-            fused_us=fused_us, isolated_us=timings, steps=[step.as_dict() for step in steps],
+            fused_us=fused_us, isolated_us=timings, steps=[step.as_dict() for step in steps], opaque_us=opaque_us,
         )  # fmt: skip
 
 
 def run_stack(config: StackConfig, options: argparse.Namespace, env: Environment) -> list[report.Row]:
-    demo = Demo(config, env, capacity=max(options.m), compile_mode=options.compile, gpu=options.gpu, seed=options.seed)
+    demo = Demo(
+        config, env, capacity=max(options.m), compile_mode=options.compile, gpu=options.gpu, seed=options.seed,
+        diagnose=options.diagnose,
+    )  # fmt: skip
     rows = []
     for m in options.m:
         log(env, f"[{config.model} M={m}] compile, capture, {options.steps}-step decode checked at every step")
@@ -222,6 +247,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=ROOT / ".out" / "demo")
     parser.add_argument("--commit", default=None, help="commit to record (default: git HEAD)")
+    parser.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="also time the unfused path with its boundaries behind opaque custom ops (demo.opaque)",
+    )
     return parser.parse_args(argv)
 
 

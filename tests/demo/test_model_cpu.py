@@ -176,6 +176,28 @@ def test_unfused_path_compiles_to_one_graph_equal_to_eager(name: str) -> None:
         assert torch.equal(compiled, step(tokens))
 
 
+@pytest.mark.parametrize("name", MODELS)
+def test_opaque_unfused_path_equals_unfused_and_traces_to_one_graph(name: str) -> None:
+    """``--diagnose``'s path: the unfused boundaries behind mhc_demo:: custom ops (each compiled alone)
+    give the unfused path's logits, and the model around them still traces with no graph break."""
+    from demo.opaque import OpaqueUnfusedBoundary
+
+    model = tiny_model(name)
+    unfused = UnfusedBoundary(model.config)
+    opaque = OpaqueUnfusedBoundary(model.config, None, lambda function: torch.compile(function, backend="eager"))
+
+    def step(tokens, boundary):
+        return model(tokens, model.route(tokens), boundary)
+
+    tokens = tokens_for(model)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        expected = step(tokens, unfused)
+        assert torch.equal(step(tokens, opaque), expected)
+        compiled = torch.compile(lambda tokens: step(tokens, opaque), fullgraph=True, backend="eager")
+        assert torch.equal(compiled(tokens), expected)
+
+
 def test_tp_shards_add_up_to_the_tp1_sublayers() -> None:
     """Each rank's sublayer output is a partial sum: the ranks' outputs add up to tp 1's."""
     config = tiny("dsv41")
@@ -510,3 +532,6 @@ def test_report_rows_table_and_json(tmp_path) -> None:
     assert not failed.check_passed and "FAIL" in report.table([failed])
     report.write_json([row, failed], tmp_path / "demo.json", {"tp": 1})
     assert '"efficiency": 1.0' in (tmp_path / "demo.json").read_text()
+    diagnosed = report.Row("dsv41", 1, 8, 4, 500.0, 428.0, iso, steps=[step], opaque_us=536.0)
+    assert diagnosed.efficiency_opaque == pytest.approx(108.0 / 72.0)
+    assert "| 8 | 500.0 | 536.0 | 428.0 | 36.0 | 1.00 | 1.50 |" in report.table([diagnosed])
