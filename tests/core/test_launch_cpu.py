@@ -141,3 +141,23 @@ def test_a_kernel_compiled_here_persists_in_the_cache(tmp_path, monkeypatch: pyt
     monkeypatch.setattr(cute, "compile", refuse)
     loaded = compiler.compile_kernel(kernel, "sm_90a", persist=True)
     assert loaded.compiled is None and type(loaded.function).__name__ == "Function"
+
+
+def test_a_kernel_no_package_ships_needs_the_compiler_and_says_so(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a host with the DSL's runtime alone, a configuration no installed package ships raises a
+    clear error naming the [jit] extra, before anything imports the kernel's module (which imports
+    the DSL and would fail with a bare ModuleNotFoundError)."""
+    import sys
+
+    from mhc_core.device.configs import PUBLISH_KERNEL, PublishConfig
+    from mhc_core.device.kernel import KernelSpec
+    from mhc_core.host import artifacts, compiler
+
+    monkeypatch.setenv("MHC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(artifacts, "_index", lambda: {})  # nothing shipped, nothing cached
+    monkeypatch.setattr(compiler, "_CACHE", {})
+    monkeypatch.setitem(sys.modules, "cutlass", None)  # `import cutlass` raises ImportError
+    monkeypatch.setattr(KernelSpec, "instantiate", lambda self: pytest.fail("the kernel's module was imported"))
+    spec = KernelSpec(PUBLISH_KERNEL, PublishConfig(hidden=1000, tp=2))
+    with pytest.raises(RuntimeError, match=r"no installed package ships this kernel .* pip install 'mhc-core\[jit\]'"):
+        compiler.compile_kernel(spec, "sm_90a")

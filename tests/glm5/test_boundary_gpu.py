@@ -343,7 +343,11 @@ def test_mixes_kernel_does_not_wait_for_the_boundary_in_a_graph(name: str, tmp_p
     for source, target in re.findall(r'"([^"]+)"\s*->\s*"([^"]+)"', text):
         edges.setdefault(source, set()).add(target)
     # Each node's text runs from its definition to the next one; kernel names carry the class.
-    starts = [(match.start(), match.group(1)) for match in re.finditer(r'"([^"]+)"\s*\[', text)]
+    # (An edge's target with its attributes reads like a definition: the first one is the node's.)
+    first: dict[str, int] = {}
+    for match in re.finditer(r'"([^"]+)"\s*\[', text):
+        first.setdefault(match.group(1), match.start())
+    starts = sorted((at, node) for node, at in first.items())
     labels = {
         node: text[at : (starts[i + 1][0] if i + 1 < len(starts) else len(text))] for i, (at, node) in enumerate(starts)
     }

@@ -14,7 +14,16 @@ from tests.dsv41.test_allreduce_mhc_gpu import NORM_EPS, check_outputs
 from tests.dsv41.test_allreduce_mhc_gpu import inputs as dsv_inputs
 from tests.glm5.checks import boundary_inputs, check_boundary
 from tests.glm5.test_boundary_gpu import poisoned_outputs
-from tests.support import assert_bitwise_equal, bf16_randn, build_ranks, is_poisoned, poison, poisoned, run_ranks
+from tests.support import (
+    assert_bitwise_equal,
+    bf16_randn,
+    build_ranks,
+    is_poisoned,
+    needs_compiler,
+    poison,
+    poisoned,
+    run_ranks,
+)
 
 CORE_HIDDEN = 4096
 
@@ -22,6 +31,8 @@ CORE_HIDDEN = 4096
 # ------------------------------------------------------------------ building
 def core_ops(tp: int, capacity: int, **options: Any) -> list:
     from mhc_core import LamportAllReduce
+
+    needs_compiler("LamportAllReduce")
 
     return build_ranks(
         tp,

@@ -170,7 +170,7 @@ def compile_kernel(
         if shipped is not None:
             _CACHE[key] = shipped
             return shipped
-    compiled = _compile(kernel if isinstance(kernel, DeviceKernel) else spec.instantiate(), spec, arch, inspect)
+    compiled = _compile(kernel if isinstance(kernel, DeviceKernel) else None, spec, arch, inspect)
     if prebuilt and persist and not inspect:
         artifacts.persist(artifacts.kernel_key(spec, arch, CALLING_CONVENTION), compiled.compiled, compiled.signature)
     _CACHE[key] = compiled
@@ -178,8 +178,10 @@ def compile_kernel(
     return compiled
 
 
-def _compile(kernel: DeviceKernel, spec: KernelSpec, arch: str, inspect: bool) -> CompiledKernel:
-    """Compile with the DSL (imported here: only a kernel no library ships needs the compiler)."""
+def _compile(kernel: DeviceKernel | None, spec: KernelSpec, arch: str, inspect: bool) -> CompiledKernel:
+    """Compile with the DSL (imported here: only a kernel no library ships needs the compiler).
+    ``kernel`` None: instantiated from ``spec`` once the DSL is known to be there (its module
+    imports the DSL)."""
     try:
         import cutlass.cute as cute
     except ImportError as error:
@@ -187,6 +189,8 @@ def _compile(kernel: DeviceKernel, spec: KernelSpec, arch: str, inspect: bool) -
             f"{spec} for {arch}: no installed package ships this kernel and compiling it needs the DSL "
             "compiler, which is not importable: pip install 'mhc-core[jit]' (or use a preset's configuration)"
         ) from error
+    if kernel is None:
+        kernel = spec.instantiate()
 
     from ..device.signature import fake_arguments
 
