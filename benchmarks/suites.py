@@ -134,6 +134,11 @@ def dsv41_inputs(m: int, hidden: int = 5120) -> tuple:
     return residual, post, comb, pre, bf16(hidden), 1e-6
 
 
+def dsv41_bytes(m: int, hidden: int) -> int:
+    """x, the hc streams in and out, the layer input, post / comb / pre, the norm weight once."""
+    return 2 * m * hidden * (1 + 2 * HC + 1) + 2 * hidden + 4 * m * (2 * HC + HC * HC)
+
+
 def dsv41_suite(ctx: Context, ms: list[int], hidden: int = 5120) -> list[Record]:
     from mhc_dsv41 import AllReduceMHC
 
@@ -143,11 +148,38 @@ def dsv41_suite(ctx: Context, ms: list[int], hidden: int = 5120) -> list[Record]
     for m in ms:
         x, args = bf16(m, hidden), dsv41_inputs(m, hidden)
         out = (torch.empty_like(args[0]), torch.empty_like(x))
-        nbytes = 2 * m * hidden * (1 + 2 * HC + 1) + 2 * hidden + 4 * m * (2 * HC + HC * HC)
-        floor = nbytes / ctx.bandwidth
+        floor = dsv41_bytes(m, hidden) / ctx.bandwidth
         fused = ctx.time(lambda x=x, args=args, out=out: op(x, *args, out=out))
         records.append(Record("dsv41", ctx.tp, m, "fused AllReduceMHC", fused, floor))
         records += _boundary_baselines(ctx, "dsv41", m, hidden, x, args, floor)
+    return records
+
+
+#: The DSV collective's geometries ``dsv41-geometry`` times, as (cluster_size, threads): the H200
+#: preset's (5 CTAs of 128 threads, one trip over hidden 5120's 640 fragments), larger CTAs in
+#: smaller clusters (no cluster exchange at all with one CTA of 640 threads), and several trips
+#: per thread (more bytes in flight per thread, fewer CTAs).
+DSV_GEOMETRIES = ((5, 128), (3, 256), (2, 320), (1, 640), (5, 64), (1, 320), (1, 160))
+
+
+def dsv41_geometry(ctx: Context, ms: list[int], hidden: int = 5120) -> list[Record]:
+    """Issue #20: what holds the DSV collective above its floor at large M, tried as launch geometry
+    (CTAs per token, threads per CTA, trips per thread), every other constant the preset's."""
+    from mhc_dsv41 import AllReduceMHC, presets
+
+    preset = presets.get(f"h200-tp{ctx.tp}-h{hidden}").PRESET
+    records = []
+    for cluster_size, threads in DSV_GEOMETRIES:
+        config = dataclasses.replace(preset, cluster_size=cluster_size, threads=threads)
+        op = AllReduceMHC.from_config(config, max_num_tokens=max(ms), device="cuda", group=ctx.group)
+        variant = f"{cluster_size} x {threads} threads, {config.trips} trip(s)"
+        for m in ms:
+            x, args = bf16(m, hidden), dsv41_inputs(m, hidden)
+            out = (torch.empty_like(args[0]), torch.empty_like(x))
+            floor = dsv41_bytes(m, hidden) / ctx.bandwidth
+            us = ctx.time(lambda op=op, x=x, args=args, out=out: op(x, *args, out=out))
+            records.append(Record("dsv41-geometry", ctx.tp, m, variant, us, floor))
+        op.close()
     return records
 
 
