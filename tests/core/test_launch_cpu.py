@@ -161,3 +161,35 @@ def test_a_kernel_no_package_ships_needs_the_compiler_and_says_so(tmp_path, monk
     spec = KernelSpec(PUBLISH_KERNEL, PublishConfig(hidden=1000, tp=2))
     with pytest.raises(RuntimeError, match=r"no installed package ships this kernel .* pip install 'mhc-core\[jit\]'"):
         compiler.compile_kernel(spec, "sm_90a")
+
+
+def test_a_kernels_source_hash_covers_device_code_only() -> None:
+    """A kernel's key hashes the modules it runs with: its device modules and the package
+    ``__init__`` files they pass through, never the host side (a model package's ``__init__`` names
+    its op under ``TYPE_CHECKING``). A host change (the compiler, an op) must not make every shipped
+    kernel look stale: on the H200 a change to ``host/compiler.py`` did, for GLM's boundary kernels."""
+    import importlib
+
+    from mhc_core.host import artifacts
+
+    host = (
+        "mhc_core.host",
+        *(f"{model}.{part}" for model in ("mhc_dsv41", "mhc_glm5") for part in ("op", "library", "presets")),
+    )
+    modules = set()
+    for model in ("mhc_dsv41", "mhc_glm5"):
+        presets = importlib.import_module(f"{model}.presets")
+        for name in presets.names():
+            for kernels in presets.get(name).KERNELS.values():  # arch -> name -> (class path, config)
+                modules.update(path.split(":")[0] for path, _ in kernels.values())
+    assert {"mhc_dsv41.kernel", "mhc_glm5.boundary", "mhc_glm5.mixes", "mhc_core.device.publish"} <= modules
+    for module in sorted(modules):
+        reached, pending = set(), [module]
+        while pending:
+            current = pending.pop()
+            found = artifacts._module_file(current)
+            if current in reached or found is None:
+                continue
+            reached.add(current)
+            pending.extend(artifacts._imports(current, found))
+        assert not [name for name in reached if name.startswith(host)], (module, sorted(reached))

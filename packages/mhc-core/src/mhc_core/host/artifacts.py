@@ -111,10 +111,29 @@ def _module_file(module: str) -> Path | None:
     return Path(spec.origin)
 
 
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """ids of the nodes inside ``if TYPE_CHECKING:`` blocks: never run, so never part of a kernel (a
+    model package's ``__init__`` names its op there, and through it the whole host side)."""
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        test = getattr(node, "test", None) if isinstance(node, ast.If) else None
+        if (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+            isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+        ):
+            for statement in node.body:
+                skipped.update(id(inner) for inner in ast.walk(statement))
+    return skipped
+
+
 def _imports(module: str, path: Path) -> Iterator[str]:
-    """The project modules ``module`` (at ``path``) imports, as absolute names."""
+    """The project modules ``module`` (at ``path``) imports when it runs, as absolute names
+    (function-local imports included; ``if TYPE_CHECKING:`` blocks not)."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    skipped = _type_checking_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
