@@ -125,6 +125,16 @@ def _type_checking_only(tree: ast.AST) -> set[int]:
     return skipped
 
 
+@functools.cache
+def _module_text(module: str) -> tuple[Path, bytes, tuple[str, ...]] | None:
+    """``module``'s file, text and project imports, read and parsed once per process (the kernels
+    of one op share most of their device modules: a cold op hashed them once per kernel module)."""
+    path = _module_file(module)
+    if path is None:  # an attribute imported from a module, not a module itself
+        return None
+    return path, path.read_bytes(), tuple(_imports(module, path))
+
+
 def _imports(module: str, path: Path) -> Iterator[str]:
     """The project modules ``module`` (at ``path``) imports when it runs, as absolute names
     (function-local imports included; ``if TYPE_CHECKING:`` blocks not)."""
@@ -153,20 +163,20 @@ def _imports(module: str, path: Path) -> Iterator[str]:
 @functools.cache
 def source_hash(module: str) -> str:
     """sha256 over the text of ``module`` and every project module it imports, transitively."""
-    seen: dict[str, Path] = {}
+    seen: dict[str, bytes] = {}
     pending = [module]
     while pending:
         name = pending.pop()
         if name in seen:
             continue
-        path = _module_file(name)
-        if path is None:  # an attribute imported from a module, not a module itself
+        found = _module_text(name)
+        if found is None:
             continue
-        seen[name] = path
-        pending.extend(_imports(name, path))
+        seen[name] = found[1]
+        pending.extend(found[2])
     digest = hashlib.sha256()
     for name in sorted(seen):
-        digest.update(name.encode() + b"\0" + seen[name].read_bytes() + b"\0")
+        digest.update(name.encode() + b"\0" + seen[name] + b"\0")
     return digest.hexdigest()
 
 
