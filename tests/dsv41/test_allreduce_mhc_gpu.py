@@ -188,3 +188,12 @@ def test_plain_constructor_geometry_and_repr() -> None:
     op = AllReduceMHC(hidden_size=5120, hc_mult=4, max_num_tokens=8, top_k=8, device="cuda")
     assert (op.config.cluster_size, op.config.threads, op.config.rank_lanes) == (5, 128, 1)
     assert "cluster_size=5" in repr(op) and "transport='local'" in repr(op)
+
+
+def test_construction_reports_its_phases() -> None:
+    """What a cold op spends its construction on, per phase (logged, and kept for the prebuilt
+    test's report): every phase measured, the warm-up on the group's last rank."""
+    ops = ops_for("h200-tp2-h5120")
+    for op in ops:
+        assert list(op.construction_seconds) == ["kernels", "mailbox", "programs", "warm_up"]
+        assert all(seconds >= 0 for seconds in op.construction_seconds.values())

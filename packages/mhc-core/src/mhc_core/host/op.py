@@ -27,6 +27,7 @@ configuration share their compiled kernels (the compile cache), only the mailbox
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -151,6 +152,10 @@ class LamportOp:
 
     def _build_publishes(self) -> None:
         """After every argument is validated: the arch, the spin guard, the publish kernels."""
+        #: Seconds per construction phase (``kernels`` loaded or compiled, ``mailbox``, ``programs``,
+        #: ``warm_up``: a loopback rank's is the whole group's, on its last rank), logged when built.
+        self.construction_seconds: dict[str, float] = {}
+        self._phase_start = time.perf_counter()
         self.arch = device_arch(self.device)
         self.spin = SpinGuard(self.tp, self._timeout_ms, self.device, self.rank)
         self._order = CallOrder(self.device)
@@ -177,6 +182,7 @@ class LamportOp:
                 f"{self.hidden_size}, max_num_tokens = {self.capacity}) does not fit the {free / 2**30:.2f} GiB "
                 f"free on {self.device}"
             )
+        self._phase("kernels")
         self.mailbox = LamportMailbox(
             self.group, capacity=self.capacity, hidden=self.hidden_size, device=self.device, transport=self.transport
         )
@@ -185,10 +191,19 @@ class LamportOp:
         self._order.own(self.mailbox.stage_state, self.mailbox.destinations)
         if self.group.kind == "none":
             self._order.own(self.mailbox.memory)  # a loopback group owns its ranks' mailboxes
+        self._phase("mailbox")
         self._programs = self._build_programs()
+        self._phase("programs")
         with torch.cuda.device(self.device):
             self.group.complete_construction(self)
-        LOG.info("built %s", self)
+        self._phase("warm_up")
+        phases = ", ".join(f"{name} {seconds:.3f}" for name, seconds in self.construction_seconds.items())
+        LOG.info("built %s in %.3f s (%s)", self, sum(self.construction_seconds.values()), phases)
+
+    def _phase(self, name: str) -> None:
+        now = time.perf_counter()
+        self.construction_seconds[name] = now - self._phase_start
+        self._phase_start = now
 
     # ---------------------------------------------------------------- the calls
     def _collect_rules(self) -> tuple[Rule, ...]:
