@@ -184,12 +184,5 @@ def test_a_kernels_source_hash_covers_device_code_only() -> None:
                 modules.update(path.split(":")[0] for path, _ in kernels.values())
     assert {"mhc_dsv41.kernel", "mhc_glm5.boundary", "mhc_glm5.mixes", "mhc_core.device.publish"} <= modules
     for module in sorted(modules):
-        reached, pending = set(), [module]
-        while pending:
-            current = pending.pop()
-            found = artifacts._module_file(current)
-            if current in reached or found is None:
-                continue
-            reached.add(current)
-            pending.extend(artifacts._imports(current, found))
+        reached = artifacts.hashed_sources(module)
         assert not [name for name in reached if name.startswith(host)], (module, sorted(reached))

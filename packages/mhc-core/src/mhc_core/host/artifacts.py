@@ -126,20 +126,21 @@ def _type_checking_only(tree: ast.AST) -> set[int]:
 
 
 @functools.cache
-def _module_text(module: str) -> tuple[Path, bytes, tuple[str, ...]] | None:
-    """``module``'s file, text and project imports, read and parsed once per process (the kernels
-    of one op share most of their device modules: a cold op hashed them once per kernel module)."""
+def _module_source(module: str) -> tuple[bytes, tuple[str, ...]] | None:
+    """``module``'s text and project imports, read and parsed once per process (the kernels of one
+    op share most of their device modules). None for an attribute imported from a module."""
     path = _module_file(module)
-    if path is None:  # an attribute imported from a module, not a module itself
+    if path is None:
         return None
-    return path, path.read_bytes(), tuple(_imports(module, path))
+    text = path.read_bytes()
+    return text, tuple(_imports(module, path, text))
 
 
-def _imports(module: str, path: Path) -> Iterator[str]:
-    """The project modules ``module`` (at ``path``) imports when it runs, as absolute names
-    (function-local imports included; ``if TYPE_CHECKING:`` blocks not)."""
+def _imports(module: str, path: Path, text: bytes) -> Iterator[str]:
+    """The project modules ``module`` (``text``, at ``path``) imports when it runs, as absolute
+    names (function-local imports included; ``if TYPE_CHECKING:`` blocks not)."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    tree = ast.parse(path.read_text(), str(path))
+    tree = ast.parse(text, str(path))
     skipped = _type_checking_only(tree)
     for node in ast.walk(tree):
         if id(node) in skipped:
@@ -160,20 +161,27 @@ def _imports(module: str, path: Path) -> Iterator[str]:
                 yield name
 
 
-@functools.cache
-def source_hash(module: str) -> str:
-    """sha256 over the text of ``module`` and every project module it imports, transitively."""
+def hashed_sources(module: str) -> dict[str, bytes]:
+    """``module`` and every project module it imports when it runs, transitively: name -> text
+    (what its ``source_hash`` covers)."""
     seen: dict[str, bytes] = {}
     pending = [module]
     while pending:
         name = pending.pop()
         if name in seen:
             continue
-        found = _module_text(name)
+        found = _module_source(name)
         if found is None:
             continue
-        seen[name] = found[1]
-        pending.extend(found[2])
+        seen[name], imports = found
+        pending.extend(imports)
+    return seen
+
+
+@functools.cache
+def source_hash(module: str) -> str:
+    """sha256 over the text of ``module`` and every project module it imports, transitively."""
+    seen = hashed_sources(module)
     digest = hashlib.sha256()
     for name in sorted(seen):
         digest.update(name.encode() + b"\0" + seen[name] + b"\0")
