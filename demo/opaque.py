@@ -24,8 +24,8 @@ from mhc_core import MoEOutput
 from .boundaries import UnfusedBoundary
 from .config import StackConfig
 
-#: handle -> (compiled plain-input call, compiled MoE-input call) of each OpaqueUnfusedBoundary.
-_BOUNDARIES: dict[int, tuple[Callable, Callable]] = {}
+#: handle -> the compiled unfused method of each OpaqueUnfusedBoundary (Dynamo specialises it per input form).
+_BOUNDARIES: dict[int, Callable] = {}
 _HANDLES = itertools.count()
 
 
@@ -38,7 +38,7 @@ def unfused_dsv41(
     handle: int, moe: bool, x: list[Tensor], residual: Tensor, post: Tensor, comb: Tensor, pre: Tensor,
     norm_weight: Tensor, norm_eps: float,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    call = _BOUNDARIES[handle][int(moe)]
+    call = _BOUNDARIES[handle]
     return call(_moe(*x) if moe else x[0], residual, post, comb, pre, norm_weight, norm_eps)
 
 
@@ -52,7 +52,7 @@ def unfused_glm5(
     handle: int, moe: bool, x: list[Tensor], residual: Tensor, post: Tensor, comb: Tensor, fn: Tensor, scale: Tensor,
     base: Tensor, norm_weight: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    call = _BOUNDARIES[handle][int(moe)]
+    call = _BOUNDARIES[handle]
     streams, layer_input, (post_out, comb_out) = call(
         _moe(*x) if moe else x[0], residual, post, comb, fn, scale, base, norm_weight
     )
@@ -75,9 +75,8 @@ class OpaqueUnfusedBoundary:
     def __init__(self, config: StackConfig, group, compile_fn: Callable) -> None:
         unfused = UnfusedBoundary(config, group)
         method = unfused.dsv41 if config.model == "dsv41" else unfused.glm5
-        # One compiled function per input form: the MoE form traces the torch finalize too.
         self.handle = next(_HANDLES)
-        _BOUNDARIES[self.handle] = (compile_fn(method), compile_fn(method))
+        _BOUNDARIES[self.handle] = compile_fn(method)
 
     @staticmethod
     def _split(x) -> tuple[bool, list[Tensor]]:

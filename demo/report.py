@@ -49,14 +49,19 @@ class Row:
         return self.unfused_us - self.fused_us
 
     @property
+    def expected_saving_us(self) -> float:
+        """What the step would save if it kept every boundary's isolated saving."""
+        return self.boundaries * self.per_boundary_saving_us
+
+    @property
     def efficiency(self) -> float:
-        expected = self.boundaries * self.per_boundary_saving_us
+        expected = self.expected_saving_us
         return self.step_saving_us / expected if expected > 0 else float("nan")
 
     @property
     def efficiency_opaque(self) -> float:
         """The efficiency against the opaque unfused path (``--diagnose``; NaN without it)."""
-        expected = self.boundaries * self.per_boundary_saving_us
+        expected = self.expected_saving_us
         if self.opaque_us is None or expected <= 0:
             return float("nan")
         return (self.opaque_us - self.fused_us) / expected
