@@ -139,6 +139,14 @@ def dsv41_bytes(m: int, hidden: int) -> int:
     return 2 * m * hidden * (1 + 2 * HC + 1) + 2 * hidden + 4 * m * (2 * HC + HC * HC)
 
 
+def _time_dsv41(ctx: Context, op: Any, m: int, hidden: int) -> tuple[float, float, torch.Tensor, tuple]:
+    """A DSV op on fresh inputs with its outputs given (``out=``): (us, floor us, x, the other inputs)."""
+    x, args = bf16(m, hidden), dsv41_inputs(m, hidden)
+    out = (torch.empty_like(args[0]), torch.empty_like(x))
+    us = ctx.time(lambda: op(x, *args, out=out))
+    return us, dsv41_bytes(m, hidden) / ctx.bandwidth, x, args
+
+
 def dsv41_suite(ctx: Context, ms: list[int], hidden: int = 5120) -> list[Record]:
     from mhc_dsv41 import AllReduceMHC
 
@@ -146,10 +154,7 @@ def dsv41_suite(ctx: Context, ms: list[int], hidden: int = 5120) -> list[Record]
     op = AllReduceMHC.from_preset(preset, max_num_tokens=max(ms), device="cuda", group=ctx.group)
     records = []
     for m in ms:
-        x, args = bf16(m, hidden), dsv41_inputs(m, hidden)
-        out = (torch.empty_like(args[0]), torch.empty_like(x))
-        floor = dsv41_bytes(m, hidden) / ctx.bandwidth
-        fused = ctx.time(lambda x=x, args=args, out=out: op(x, *args, out=out))
+        fused, floor, x, args = _time_dsv41(ctx, op, m, hidden)
         records.append(Record("dsv41", ctx.tp, m, "fused AllReduceMHC", fused, floor))
         records += _boundary_baselines(ctx, "dsv41", m, hidden, x, args, floor)
     return records
@@ -174,10 +179,7 @@ def dsv41_geometry(ctx: Context, ms: list[int], hidden: int = 5120) -> list[Reco
         op = AllReduceMHC.from_config(config, max_num_tokens=max(ms), device="cuda", group=ctx.group)
         variant = f"{cluster_size} x {threads} threads, {config.trips} trip(s)"
         for m in ms:
-            x, args = bf16(m, hidden), dsv41_inputs(m, hidden)
-            out = (torch.empty_like(args[0]), torch.empty_like(x))
-            floor = dsv41_bytes(m, hidden) / ctx.bandwidth
-            us = ctx.time(lambda op=op, x=x, args=args, out=out: op(x, *args, out=out))
+            us, floor, _, _ = _time_dsv41(ctx, op, m, hidden)
             records.append(Record("dsv41-geometry", ctx.tp, m, variant, us, floor))
         op.close()
     return records
