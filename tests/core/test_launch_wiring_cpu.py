@@ -294,10 +294,10 @@ def test_glm_side_stream_forks_before_the_boundary(tp: int) -> None:
     op, _, _ = glm_op(tp)
     programs = op._programs
     for program in (programs.call, programs.collect, *programs.call_moe.values()):
-        names = [launch.signature is op._mixes_kernel.signature for launch in program.launches]
+        is_mixes = [launch.signature is op._mixes_kernel.signature for launch in program.launches]
         boundary = next(i for i, launch in enumerate(program.launches) if launch.forks_side)
         assert program.launches[boundary].functions[0] is op._boundary_kernels[1].function
-        assert names.index(True) == boundary + 1
+        assert is_mixes.index(True) == boundary + 1
 
 
 def test_a_program_forks_its_side_stream_once_before_the_side_launch() -> None:
