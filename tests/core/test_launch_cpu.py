@@ -113,6 +113,44 @@ def test_a_shipped_kernel_loads_instead_of_compiling(exported, monkeypatch: pyte
     assert artifacts.lookup(artifacts.kernel_key(kernel, "sm_90a", compiler.CALLING_CONVENTION)) is None
 
 
+def test_a_manifests_recorded_sources_stand_in_for_the_import_walk(exported, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A manifest records, per kernel module, the modules its source hash covered and the digest.
+    While their texts hash to it, ``source_hash`` returns it without walking (parsing) the imports;
+    a text that changed since (here: a different recorded digest) falls back to the walk."""
+    import json
+
+    from mhc_core.host import artifacts
+
+    payload = json.loads(exported.read_text())
+    walked = {}
+    for entry in payload["kernels"]:
+        module = entry["kernel"].partition(":")[0]
+        walked[module] = artifacts._digest(artifacts.hashed_sources(module))
+        assert entry["source"] == walked[module]
+        covered = sorted(artifacts.hashed_sources(module))
+        assert payload["sources"][module] == {"digest": walked[module], "modules": covered}
+
+    def refuse(module: str) -> dict[str, bytes]:
+        raise AssertionError(f"the imports of {module} were walked")
+
+    def clear() -> None:  # the per-process caches, around this test's own manifest
+        artifacts._recorded_sources.cache_clear()
+        artifacts.source_hash.cache_clear()
+
+    monkeypatch.setattr(artifacts, "_payloads", lambda: ((exported, payload),))
+    clear()
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(artifacts, "hashed_sources", refuse)
+            assert {module: artifacts.source_hash(module) for module in walked} == walked
+        for source in payload["sources"].values():
+            source["digest"] = "0" * 64  # as if a module's text had changed since the export
+        clear()
+        assert {module: artifacts.source_hash(module) for module in walked} == walked
+    finally:
+        clear()
+
+
 def test_a_kernel_compiled_here_persists_in_the_cache(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With MHC_CACHE_DIR set, a compiled kernel is exported there under its key, and a later
     ``compile_kernel`` (an empty in-process cache, as in a new process) loads it without compiling."""

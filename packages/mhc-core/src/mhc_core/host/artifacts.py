@@ -15,11 +15,12 @@ needs a C compiler (``cc``) to link: without one nothing is persisted.
 ``tools.export_kernels`` writes, per model package and arch, ``<package>/kernels/<arch>/`` with
 one ``lib<package>_<arch>.so`` (every preset kernel of that arch, TVM-FFI entry points only) and a
 ``manifest.json`` listing each kernel's key, symbol and signature (what the host binds its
-arguments by: ``mhc_core.device.signature.to_json``). ``lookup`` finds a key in the manifests of
-the installed model packages; ``load`` opens the library through ``tvm_ffi`` alone. Loading needs
-the DSL's runtime library (``libcute_dsl_runtime.so``, in the DSL's libs package), which ``load``
-maps first, and never the compiler. A different DSL release, arch, convention or source is a
-different key: a stale or foreign library is never loaded.
+arguments by: ``mhc_core.device.signature.to_json``), and per kernel module the modules its source
+hash covers (``sources``: a process whose sources match them hashes texts, parses none).
+``lookup`` finds a key in the manifests of the installed model packages; ``load`` opens the library
+through ``tvm_ffi`` alone. Loading needs the DSL's runtime library (``libcute_dsl_runtime.so``, in
+the DSL's libs package), which ``load`` maps first, and never the compiler. A different DSL
+release, arch, convention or source is a different key: a stale or foreign library is never loaded.
 
 DSL release: ``importlib.metadata`` of ``nvidia-cutlass-dsl``, else of the libs package that owns
 the runtime library (``nvidia-cutlass-dsl-libs-cu13`` / ``-cu12``: what an unpacked bundle or a
@@ -178,14 +179,38 @@ def hashed_sources(module: str) -> dict[str, bytes]:
     return seen
 
 
+def _digest(texts: dict[str, bytes]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(texts):
+        digest.update(name.encode() + b"\0" + texts[name] + b"\0")
+    return digest.hexdigest()
+
+
+def _texts(modules: Iterable[str]) -> dict[str, bytes] | None:
+    """The texts of ``modules`` as they are now (None once one is gone): read, not parsed."""
+    texts = {}
+    for name in modules:
+        path = _module_file(name)
+        if path is None:
+            return None
+        texts[name] = path.read_bytes()
+    return texts
+
+
 @functools.cache
 def source_hash(module: str) -> str:
-    """sha256 over the text of ``module`` and every project module it imports, transitively."""
-    seen = hashed_sources(module)
-    digest = hashlib.sha256()
-    for name in sorted(seen):
-        digest.update(name.encode() + b"\0" + seen[name] + b"\0")
-    return digest.hexdigest()
+    """sha256 over the text of ``module`` and every project module it imports, transitively.
+
+    A manifest records, per kernel module, the modules its hash covered (``sources``). Their texts
+    alone decide which modules the walk reaches (each module's imports are read from its own
+    text), so when those texts hash to the recorded digest the walk would reach the same modules
+    and give that digest: it is returned without parsing anything (parsing ~30 modules was most of
+    a preset op's construction: 0.1 s on the H200 host). Any changed text misses, and the walk runs."""
+    for modules, recorded in _recorded_sources().get(module, ()):
+        texts = _texts(modules)
+        if texts is not None and _digest(texts) == recorded:
+            return recorded
+    return _digest(hashed_sources(module))
 
 
 def kernel_key(kernel: Any, arch: str, convention: str) -> KernelKey:
@@ -212,7 +237,14 @@ def write_manifest(
         (key.as_dict() | {"symbol": key.symbol, "signature": to_json(signature)} for key, signature in kernels),
         key=lambda entry: entry["symbol"],
     )
-    payload = {"format": FORMAT, "package": package, "arch": arch, "library": library, "kernels": entries}
+    modules = sorted({entry["kernel"].partition(":")[0] for entry in entries})
+    sources = {}
+    for module in modules:
+        texts = hashed_sources(module)
+        sources[module] = {"digest": _digest(texts), "modules": sorted(texts)}
+    payload = {
+        "format": FORMAT, "package": package, "arch": arch, "library": library, "kernels": entries, "sources": sources
+    }  # fmt: skip
     path = folder / MANIFEST
     path.write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
     return path
@@ -230,22 +262,43 @@ def manifests() -> list[Path]:
     return found
 
 
+@functools.cache
+def _payloads() -> tuple[tuple[Path, dict[str, Any]], ...]:
+    """Every manifest of this format, read once per process."""
+    read = ((path, json.loads(path.read_text())) for path in manifests())
+    return tuple((path, payload) for path, payload in read if payload.get("format") == FORMAT)
+
+
 def read_manifest(path: Path) -> dict[str, Found]:
     """symbol -> library and signature of one manifest ({} for another format)."""
     payload = json.loads(path.read_text())
-    if payload.get("format") != FORMAT:
-        return {}
+    return _entries(path, payload) if payload.get("format") == FORMAT else {}
+
+
+def _entries(path: Path, payload: dict[str, Any]) -> dict[str, Found]:
     library = path.parent / payload["library"]
     return {entry["symbol"]: Found(library, from_json(entry["signature"])) for entry in payload["kernels"]}
 
 
 @functools.cache
 def _index() -> dict[str, Found]:
-    """symbol -> library and signature over every manifest (read once per process)."""
+    """symbol -> library and signature over every manifest."""
     index: dict[str, Found] = {}
-    for path in manifests():
-        index.update(read_manifest(path))
+    for path, payload in _payloads():
+        index.update(_entries(path, payload))
     return index
+
+
+@functools.cache
+def _recorded_sources() -> dict[str, list[tuple[tuple[str, ...], str]]]:
+    """kernel module -> (modules its hash covered, digest), from every manifest that records them."""
+    recorded: dict[str, list[tuple[tuple[str, ...], str]]] = {}
+    for _, payload in _payloads():
+        for module, source in payload.get("sources", {}).items():
+            entry = (tuple(source["modules"]), source["digest"])
+            if entry not in recorded.setdefault(module, []):
+                recorded[module].append(entry)
+    return recorded
 
 
 def lookup(key: KernelKey) -> Found | None:
