@@ -42,14 +42,14 @@ PRESET = DSV41Preset(
 
 #: ``PRESET.geometry()``: grids, clusters, threads and shared memory of its launches.
 GEOMETRY: dict[str, Any] = {
-    "grid": "(M, 5, 1)",
+    "grid": "(min(M, clusters), 5, 1)",
     "cluster": (1, 5, 1),
     "threads": 128,
     "rank_lanes": 1,
     "fragments": 640,
     "trips": 1,
     "last_trip_fragments": 640,
-    "shared_bytes": 36,
+    "shared_bytes": 16664,
     "publish_grid": "(M, 5, 1)",
     "publish_threads": 128,
 }

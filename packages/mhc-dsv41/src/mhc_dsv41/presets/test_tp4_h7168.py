@@ -42,14 +42,14 @@ PRESET = DSV41Preset(
 
 #: ``PRESET.geometry()``: grids, clusters, threads and shared memory of its launches.
 GEOMETRY: dict[str, Any] = {
-    "grid": "(M, 5, 1)",
+    "grid": "(min(M, clusters), 5, 1)",
     "cluster": (1, 5, 1),
     "threads": 128,
     "rank_lanes": 2,
     "fragments": 896,
     "trips": 3,
     "last_trip_fragments": 256,
-    "shared_bytes": 36,
+    "shared_bytes": 24856,
     "publish_grid": "(M, 7, 1)",
     "publish_threads": 128,
 }
