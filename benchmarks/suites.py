@@ -160,13 +160,14 @@ def dsv41_suite(ctx: Context, ms: list[int], hidden: int = 5120) -> list[Record]
     return records
 
 
-#: The DSV collective's geometries ``dsv41-geometry`` times, as (cluster_size, threads, clusters):
-#: the H200 preset's (5 CTAs of 128 threads, one trip over hidden 5120's 640 fragments) and fewer,
-#: larger CTAs (2 x 320), each with the persistent grid the op picks (None:
-#: ``mhc_dsv41.config.resident_clusters``) and with more or fewer clusters than that (a cluster
-#: loops over tokens beyond them).
+#: The DSV collective's geometries ``dsv41-geometry`` times, as (cluster_size, threads, clusters,
+#: staged tokens): the H200 preset's (5 CTAs of 128 threads, one trip over hidden 5120's 640
+#: fragments) and fewer, larger CTAs (2 x 320), with the persistent grid the op picks (None:
+#: ``mhc_dsv41.config.resident_clusters``) or more or fewer clusters than that (a cluster loops over
+#: tokens beyond them), staging one token ahead (2) or two (3).
 DSV_GEOMETRIES = (
-    (5, 128, None), (5, 128, 66), (5, 128, 132), (5, 128, 264), (5, 128, 1024), (2, 320, None), (2, 320, 132),
+    (5, 128, None, 2), (5, 128, 66, 2), (5, 128, 264, 2), (5, 128, None, 3), (5, 128, 66, 3), (5, 128, 88, 3),
+    (5, 128, 264, 3), (2, 320, None, 2), (2, 320, None, 3), (2, 320, 99, 3),
 )  # fmt: skip
 
 
@@ -178,10 +179,11 @@ def dsv41_geometry(ctx: Context, ms: list[int], hidden: int = 5120) -> list[Reco
 
     preset = presets.get(f"h200-tp{ctx.tp}-h{hidden}").PRESET
     records = []
-    for cluster_size, threads, clusters in DSV_GEOMETRIES:
+    for cluster_size, threads, clusters, staged in DSV_GEOMETRIES:
         config = dataclasses.replace(preset, cluster_size=cluster_size, threads=threads)
-        op = AllReduceMHC.from_config(config, max_num_tokens=max(ms), device="cuda", group=ctx.group, clusters=clusters)
-        variant = f"{cluster_size} x {threads} threads, {config.trips} trip(s), {op.clusters} clusters"
+        options = dict(clusters=clusters, staged_tokens=staged)
+        op = AllReduceMHC.from_config(config, max_num_tokens=max(ms), device="cuda", group=ctx.group, **options)
+        variant = f"{cluster_size} x {threads}, {config.trips} trip(s), {op.clusters} clusters, {staged} staged"
         for m in ms:
             us, floor, _, _ = _time_dsv41(ctx, op, m, hidden)
             records.append(Record("dsv41-geometry", ctx.tp, m, variant, us, floor))

@@ -109,6 +109,10 @@ class CollectiveGeometry:
     def warps(self) -> int:
         return self.threads // WARP_SIZE
 
+    #: Tokens staged at once: the current one and ``staged_tokens - 1`` ahead (the preset's own
+    #: dataclass has no such field: every preset stages the default).
+    staged_tokens: int = 2
+
     @property
     def staged_mixes(self) -> int:
         """FP32 mixes staged per token: post (hc), pre (hc), comb (hc x hc)."""
@@ -126,9 +130,11 @@ class CollectiveGeometry:
 
     @property
     def shared_bytes(self) -> int:
-        """Two staging buffers (streams, x, mixes: each 16-byte aligned), the warp sums and two
-        slots per cluster peer (one per token in flight) for the RMSNorm sum of squares."""
-        staged = 2 * (self.staged_stream_words + self.staged_x_words) * 4 + -(-2 * self.staged_mixes * 4 // 16) * 16
+        """``staged_tokens`` staging buffers (streams, x, mixes: each 16-byte aligned), the warp sums
+        and two slots per cluster peer (one per token reduced at once) for the RMSNorm sum of squares."""
+        depth = self.staged_tokens
+        staged = depth * (self.staged_stream_words + self.staged_x_words) * 4
+        staged += -(-depth * self.staged_mixes * 4 // 16) * 16
         return staged + (self.warps + 2 * self.cluster_size) * 4
 
 
@@ -198,6 +204,7 @@ class DSV41Preset(CollectiveGeometry):
             "cluster_size": self.cluster_size,
             "rank_lanes": self.rank_lanes,
             "threads": self.threads,
+            "staged_tokens": self.staged_tokens,
         }
 
     def kernel_specs(self, arch: str) -> dict[str, tuple[str, dict[str, Any]]]:
@@ -229,8 +236,11 @@ class MHCConfig(CollectiveGeometry):
     cluster_size: int
     rank_lanes: int
     threads: int
+    staged_tokens: int = 2
 
     def __post_init__(self) -> None:
+        if not 2 <= self.staged_tokens <= 4:
+            raise ValueError(f"staged_tokens: expected 2..4, got {self.staged_tokens}")
         if self.hidden <= 0 or self.hidden % VEC_BF16:
             raise ValueError(f"hidden: expected a positive multiple of {VEC_BF16}, got {self.hidden}")
         if self.rank_lanes not in (1, 2, 4, 8) or self.tp % self.rank_lanes:

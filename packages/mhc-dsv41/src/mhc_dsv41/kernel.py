@@ -108,7 +108,7 @@ class LamportMHCKernel(DeviceKernel):
     ):
         config = self.config
         hc, tp, lanes, hidden, trips = config.hc, config.tp, config.rank_lanes, config.hidden, config.trips
-        groups, mixes = config.groups_per_cta, config.staged_mixes
+        groups, mixes, depth = config.groups_per_cta, config.staged_mixes, config.staged_tokens
         tidx, _, _ = cute.arch.thread_idx()
         first_token, _, _ = cute.arch.block_idx()
         clusters, _, _ = cute.arch.grid_dim()
@@ -121,15 +121,15 @@ class LamportMHCKernel(DeviceKernel):
         from_x = protocol.reads_x(direct, tp)
 
         smem = cutlass.memory.SmemAllocator()
-        # Two buffers each: [trips, hc, groups] and [trips, groups] fragments, [mixes] FP32.
-        stream_stage = smem.allocate_array(Uint32, 2 * config.staged_stream_words, byte_alignment=16)
-        x_stage = smem.allocate_array(Uint32, 2 * config.staged_x_words, byte_alignment=16)
-        mix_stage = smem.allocate_array(Float32, 2 * mixes, byte_alignment=16)
+        # ``depth`` buffers each: [trips, hc, groups] and [trips, groups] fragments, [mixes] FP32.
+        stream_stage = smem.allocate_array(Uint32, depth * config.staged_stream_words, byte_alignment=16)
+        x_stage = smem.allocate_array(Uint32, depth * config.staged_x_words, byte_alignment=16)
+        mix_stage = smem.allocate_array(Float32, depth * mixes, byte_alignment=16)
         warp_sums = smem.allocate_array(Float32, config.warps)
         cluster_sums = smem.allocate_array(Float32, 2 * config.cluster_size)
 
         # A direct read comes with prefetch off (the kernel before is x's producer, not a publish).
-        if prefetch == Int32(0):
+        if (prefetch == Int32(0)) | from_x:
             cute.arch.griddepcontrol_wait()
         # Weight, residual streams and mixes: written before the publish's producer ran.
         gamma_words = cute.make_rmem_tensor(cute.make_layout((trips, 4), stride=(4, 1)), Uint32)
@@ -138,29 +138,27 @@ class LamportMHCKernel(DeviceKernel):
             fragment = base_fragment + trip * config.fragment_stride
             if (fragment < config.fragments) & leader:
                 gamma_words[trip, None].store(ptx.load_u32x4(gamma.toint() + Int64(fragment) * VEC_BF16 * 2))
-        self.stage_inputs(stream_stage, mix_stage, residual, post, comb, pre, first_token, base_fragment, group, leader)
-        cute.arch.cp_async_commit_group()
+        # One cp.async group per token, in token order: the first ``depth - 1`` here, then one per
+        # iteration, so ``depth - 1`` groups may still be pending when a token is used.
+        for ahead in cutlass.range_constexpr(depth - 1):
+            self.stage_token(
+                ahead, stream_stage, x_stage, mix_stage, residual, post, comb, pre, x, from_x,
+                first_token + ahead * clusters, m, base_fragment, group, leader,
+            )  # fmt: skip
         cute.arch.griddepcontrol_wait()
-        if from_x:
-            self.stage_x(x_stage, x, first_token, base_fragment, group, leader)
-        cute.arch.cp_async_commit_group()
 
         stage, poisoned = protocol.active_stage(stage_state)
         state = stage_state.iterator.toint()
-        buffer = Int32(0)
+        iteration = Int32(0)
         for token in range(first_token, m, clusters):
+            buffer = iteration % depth
+            self.stage_token(
+                (iteration + depth - 1) % depth, stream_stage, x_stage, mix_stage, residual, post, comb, pre, x,
+                from_x, token + (depth - 1) * clusters, m, base_fragment, group, leader,
+            )  # fmt: skip
+            cute.arch.cp_async_wait_group(depth - 1)  # this token's copies have landed (this thread's)
+            cute.arch.barrier()  # and every thread's (the mixes)
             upcoming = token + clusters
-            if upcoming < m:
-                other = Int32(1) - buffer
-                self.stage_inputs(
-                    stream_stage + other * config.staged_stream_words, mix_stage + other * mixes, residual, post,
-                    comb, pre, upcoming, base_fragment, group, leader,
-                )  # fmt: skip
-                if from_x:
-                    self.stage_x(x_stage + other * config.staged_x_words, x, upcoming, base_fragment, group, leader)
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(1)  # every copy but the upcoming token's has landed
-            cute.arch.barrier()  # the mixes other threads staged are visible
             streams = stream_stage + buffer * config.staged_stream_words
             staged_mixes = mix_stage + buffer * mixes
             post_mix = cute.make_rmem_tensor(cute.make_layout((hc,)), Float32)
@@ -240,7 +238,7 @@ class LamportMHCKernel(DeviceKernel):
                     )
             # Each token's peer sums go to its buffer's slots: a peer already on the next token
             # cannot overwrite what this CTA still reads.
-            sums = cluster_sums + buffer * config.cluster_size
+            sums = cluster_sums + (iteration % 2) * config.cluster_size
             reduce.block_to_cluster(squares, 1, warp_sums, sums, cluster_rank, config.threads, config.cluster_size)
             sum_squares = reduce.cluster_total(sums, 0, 1, config.cluster_size)
             inv_rms = cute.math.rsqrt(sum_squares / Float32(hidden) + eps, fastmath=True)
@@ -251,7 +249,38 @@ class LamportMHCKernel(DeviceKernel):
                     weight = ptx.words_to_f32x8(gamma_words[trip, None].load())
                     element = Int64(token) * hidden + Int64(fragment) * VEC_BF16
                     ptx.store_u32x4(layer_input.toint() + element * 2, ptx.f32x8_to_words(prenorm * inv_rms * weight))
-            buffer = Int32(1) - buffer
+            iteration = iteration + 1
+
+    @cute.jit
+    def stage_token(
+        self,
+        buffer: Int32,
+        stream_stage: cute.Pointer,
+        x_stage: cute.Pointer,
+        mix_stage: cute.Pointer,
+        residual: cute.Pointer,
+        post: cute.Pointer,
+        comb: cute.Pointer,
+        pre: cute.Pointer,
+        x: cute.Pointer,
+        from_x: Boolean,
+        token: Int32,
+        m: Int32,
+        base_fragment: Int32,
+        group: Int32,
+        leader: Boolean,
+    ):
+        """Start copying ``token``'s inputs into staging buffer ``buffer`` and commit them as one
+        group (an empty one past the last token, so that every token has its group)."""
+        config = self.config
+        if token < m:
+            self.stage_inputs(
+                stream_stage + buffer * config.staged_stream_words, mix_stage + buffer * config.staged_mixes,
+                residual, post, comb, pre, token, base_fragment, group, leader,
+            )  # fmt: skip
+            if from_x:
+                self.stage_x(x_stage + buffer * config.staged_x_words, x, token, base_fragment, group, leader)
+        cute.arch.cp_async_commit_group()
 
     @cute.jit
     def stage_inputs(

@@ -47,6 +47,8 @@ class AllReduceMHC(LamportOp):
         clusters: the most clusters the collective launches; beyond that many tokens each
             cluster loops over several. None: as many as the device holds at once
             (``mhc_dsv41.config.resident_clusters``).
+        staged_tokens: tokens whose inputs the collective has in flight at once (2..4; None: the
+            config's default, what presets use).
         spin_timeout_ms: device-side bound on every poll (off by default; also
             ``MHC_SPIN_TIMEOUT_MS``).
         check_routes: verify MoE route indices on the device (debug mode).
@@ -70,6 +72,7 @@ class AllReduceMHC(LamportOp):
         threads: int | None = None,
         rank_lanes: int | None = None,
         clusters: int | None = None,
+        staged_tokens: int | None = None,
         publish_threads: int = 128,
         spin_timeout_ms: float | None = None,
         check_routes: bool = False,
@@ -96,6 +99,8 @@ class AllReduceMHC(LamportOp):
         for key, value in (("cluster_size", cluster_size), ("threads", threads), ("rank_lanes", rank_lanes)):
             if value is not None:
                 geometry[key] = check_int(key, value, minimum=1)
+        if staged_tokens is not None:
+            geometry["staged_tokens"] = check_int("staged_tokens", staged_tokens, minimum=2, maximum=4)
         self.config = MHCConfig(hidden=hidden_size, hc=hc_mult, tp=self.tp, **geometry)
         if clusters is None:
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count

@@ -95,7 +95,7 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
         ),
         "collective": (
             "mhc_dsv41.kernel:LamportMHCKernel",
-            {"hidden": 5120, "hc": 4, "tp": 8, "cluster_size": 5, "rank_lanes": 1, "threads": 128},
+            {"hidden": 5120, "hc": 4, "tp": 8, "cluster_size": 5, "rank_lanes": 1, "threads": 128, "staged_tokens": 2},
         ),
     },
     "sm_100a": {
@@ -137,7 +137,7 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
         ),
         "collective": (
             "mhc_dsv41.kernel:LamportMHCKernel",
-            {"hidden": 5120, "hc": 4, "tp": 8, "cluster_size": 5, "rank_lanes": 1, "threads": 128},
+            {"hidden": 5120, "hc": 4, "tp": 8, "cluster_size": 5, "rank_lanes": 1, "threads": 128, "staged_tokens": 2},
         ),
     },
 }
