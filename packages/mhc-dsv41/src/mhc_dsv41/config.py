@@ -58,7 +58,7 @@ def default_geometry(hidden: int, hc: int, tp: int) -> dict[str, int]:
 
 #: Registers per thread the collective stays within (a CPU test compiles every preset's and checks):
 #: what the default number of persistent clusters assumes.
-COLLECTIVE_REGISTERS = 128
+COLLECTIVE_REGISTERS = 160
 #: An SM's registers, threads and shared memory (sm_90 / sm_100).
 SM_REGISTERS = 65536
 SM_THREADS = 2048

@@ -129,48 +129,69 @@ class LamportMHCKernel(DeviceKernel):
         cluster_sums = smem.allocate_array(Float32, 2 * config.cluster_size)
 
         # A direct read comes with prefetch off (the kernel before is x's producer, not a publish).
-        if (prefetch == Int32(0)) | from_x:
+        if prefetch == Int32(0):
             cute.arch.griddepcontrol_wait()
-        # Weight, residual streams and mixes: written before the publish's producer ran.
+        # Weight, residual streams and mixes: written before the publish's producer ran. The first
+        # token's go straight into registers (all of a launch of up to ``clusters`` tokens).
         gamma_words = cute.make_rmem_tensor(cute.make_layout((trips, 4), stride=(4, 1)), Uint32)
+        stream_words = cute.make_rmem_tensor(cute.make_layout((trips, hc, 4), stride=(hc * 4, 4, 1)), Uint32)
         gamma_words.fill(Uint32(0))
+        stream_words.fill(Uint32(0))
         for trip in cutlass.range_constexpr(trips):
             fragment = base_fragment + trip * config.fragment_stride
             if (fragment < config.fragments) & leader:
-                gamma_words[trip, None].store(ptx.load_u32x4(gamma.toint() + Int64(fragment) * VEC_BF16 * 2))
-        # One cp.async group per token, in token order: the first ``depth - 1`` here, then one per
-        # iteration, so ``depth - 1`` groups may still be pending when a token is used.
-        for ahead in cutlass.range_constexpr(depth - 1):
+                column = Int64(fragment) * VEC_BF16
+                gamma_words[trip, None].store(ptx.load_u32x4(gamma.toint() + column * 2))
+                for source in cutlass.range_constexpr(hc):
+                    element = (Int64(first_token) * hc + source) * hidden + column
+                    stream_words[trip, source, None].store(ptx.load_u32x4(residual.toint() + element * 2))
+        post_mix = cute.make_rmem_tensor(cute.make_layout((hc,)), Float32)
+        pre_mix = cute.make_rmem_tensor(cute.make_layout((hc,)), Float32)
+        comb_mix = cute.make_rmem_tensor(cute.make_layout((hc, hc), stride=(hc, 1)), Float32)
+        for target in cutlass.range_constexpr(hc):
+            mix = Int64(first_token) * hc + target
+            post_mix[target] = cute.arch.load((post + mix).llvm_ptr, Float32)
+            pre_mix[target] = cute.arch.load((pre + mix).llvm_ptr, Float32)
+            for source in cutlass.range_constexpr(hc):
+                comb_mix[source, target] = cute.arch.load(
+                    (comb + (Int64(first_token) * hc + source) * hc + target).llvm_ptr, Float32
+                )
+        cute.arch.griddepcontrol_wait()
+        # The next tokens of a looping cluster: one cp.async group each, in token order (the
+        # ``depth - 1`` after the first here, then one per later iteration), token ``i`` of this
+        # cluster in buffer ``i % depth``; ``depth - 1`` groups may still be in flight when one is used.
+        for ahead in cutlass.range_constexpr(1, depth):
             self.stage_token(
                 ahead, stream_stage, x_stage, mix_stage, residual, post, comb, pre, x, from_x,
                 first_token + ahead * clusters, m, base_fragment, group, leader,
             )  # fmt: skip
-        cute.arch.griddepcontrol_wait()
 
         stage, poisoned = protocol.active_stage(stage_state)
         state = stage_state.iterator.toint()
         iteration = Int32(0)
         for token in range(first_token, m, clusters):
             buffer = iteration % depth
-            self.stage_token(
-                (iteration + depth - 1) % depth, stream_stage, x_stage, mix_stage, residual, post, comb, pre, x,
-                from_x, token + (depth - 1) * clusters, m, base_fragment, group, leader,
-            )  # fmt: skip
-            cute.arch.cp_async_wait_group(depth - 1)  # this token's copies have landed (this thread's)
-            cute.arch.barrier()  # and every thread's (the mixes)
+            if iteration > Int32(0):
+                self.stage_token(
+                    (iteration + depth - 1) % depth, stream_stage, x_stage, mix_stage, residual, post, comb, pre,
+                    x, from_x, token + (depth - 1) * clusters, m, base_fragment, group, leader,
+                )  # fmt: skip
+                cute.arch.cp_async_wait_group(depth - 1)  # this token's copies have landed (this thread's)
+                cute.arch.barrier()  # and every thread's (the mixes)
+                streams = stream_stage + buffer * config.staged_stream_words
+                for trip in cutlass.range_constexpr(trips):
+                    for source in cutlass.range_constexpr(hc):
+                        slot = streams + ((trip * hc + source) * groups + group) * 4
+                        stream_words[trip, source, None].store(ptx.load_shared_u32x4(slot))
+                staged_mixes = mix_stage + buffer * mixes
+                for target in cutlass.range_constexpr(hc):
+                    post_mix[target] = cute.arch.load((staged_mixes + target).llvm_ptr, Float32)
+                    pre_mix[target] = cute.arch.load((staged_mixes + hc + target).llvm_ptr, Float32)
+                    for source in cutlass.range_constexpr(hc):
+                        comb_mix[source, target] = cute.arch.load(
+                            (staged_mixes + 2 * hc + source * hc + target).llvm_ptr, Float32
+                        )
             upcoming = token + clusters
-            streams = stream_stage + buffer * config.staged_stream_words
-            staged_mixes = mix_stage + buffer * mixes
-            post_mix = cute.make_rmem_tensor(cute.make_layout((hc,)), Float32)
-            pre_mix = cute.make_rmem_tensor(cute.make_layout((hc,)), Float32)
-            comb_mix = cute.make_rmem_tensor(cute.make_layout((hc, hc), stride=(hc, 1)), Float32)
-            for target in cutlass.range_constexpr(hc):
-                post_mix[target] = cute.arch.load((staged_mixes + target).llvm_ptr, Float32)
-                pre_mix[target] = cute.arch.load((staged_mixes + hc + target).llvm_ptr, Float32)
-                for source in cutlass.range_constexpr(hc):
-                    comb_mix[source, target] = cute.arch.load(
-                        (staged_mixes + 2 * hc + source * hc + target).llvm_ptr, Float32
-                    )
 
             first_thread = (token == 0) & (cluster_rank == 0) & (tidx == 0)
             prenorm_words = cute.make_rmem_tensor(cute.make_layout((trips, 4), stride=(4, 1)), Uint32)
@@ -182,8 +203,14 @@ class LamportMHCKernel(DeviceKernel):
                 if from_x:
                     total.fill(Float32(0.0))
                     if active & leader:
-                        slot = x_stage + buffer * config.staged_x_words + (trip * groups + group) * 4
-                        total.store(ptx.words_to_f32x8(ptx.sanitize_negative_zero(ptx.load_shared_u32x4(slot))))
+                        if iteration == Int32(0):
+                            total.store(
+                                ptx.words_to_f32x8(protocol.load_x(x, token, Int64(fragment) * VEC_BF16, hidden))
+                            )
+                        else:
+                            slot = x_stage + buffer * config.staged_x_words + (trip * groups + group) * 4
+                            words = ptx.sanitize_negative_zero(ptx.load_shared_u32x4(slot))
+                            total.store(ptx.words_to_f32x8(words))
                     if poisoned:
                         total.fill(Float32(float("nan")))  # a direct read's poison (the poll's is its own)
                 else:
@@ -197,17 +224,16 @@ class LamportMHCKernel(DeviceKernel):
                 if active & leader:
                     # The all-reduced sublayer output is BF16, as the unfused collective returns it.
                     reduced = total.load().to(BFloat16).to(Float32)
-                    sources = cute.make_rmem_tensor(cute.make_layout((hc, 4), stride=(4, 1)), Uint32)
-                    for source in cutlass.range_constexpr(hc):
-                        slot = streams + ((trip * hc + source) * groups + group) * 4
-                        sources[source, None].store(ptx.load_shared_u32x4(slot))
                     collapse = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
                     collapse.fill(Float32(0.0))
                     column = Int64(fragment) * VEC_BF16
                     for target in cutlass.range_constexpr(hc):
                         mixed = reduced * post_mix[target]
                         for source in cutlass.range_constexpr(hc):
-                            mixed = mixed + ptx.words_to_f32x8(sources[source, None].load()) * comb_mix[source, target]
+                            mixed = (
+                                mixed
+                                + ptx.words_to_f32x8(stream_words[trip, source, None].load()) * comb_mix[source, target]
+                            )
                         mixed_words = ptx.f32x8_to_words(mixed)
                         element = (Int64(token) * hc + target) * hidden + column
                         ptx.store_u32x4(residual_out.toint() + element * 2, mixed_words)
