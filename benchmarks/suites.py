@@ -160,29 +160,24 @@ def dsv41_suite(ctx: Context, ms: list[int], hidden: int = 5120) -> list[Record]
     return records
 
 
-#: The DSV collective's geometries ``dsv41-geometry`` times, as (cluster_size, threads, clusters,
-#: staged tokens): the H200 preset's (5 CTAs of 128 threads, one trip over hidden 5120's 640
-#: fragments) and fewer, larger CTAs (2 x 320), with the persistent grid the op picks (None:
-#: ``mhc_dsv41.config.resident_clusters``) or more or fewer clusters than that (a cluster loops over
-#: tokens beyond them), staging one token ahead (2) or two (3).
-DSV_GEOMETRIES = (
-    (5, 128, None, 2), (5, 128, None, 3), (5, 128, 66, 3), (5, 128, 88, 3), (5, 128, 105, 3), (2, 320, None, 3),
-)  # fmt: skip
+#: The DSV collective's geometries ``dsv41-geometry`` times, as (cluster_size, threads): the H200
+#: preset's (5 CTAs of 128 threads, one trip over hidden 5120's 640 fragments), larger CTAs in
+#: smaller clusters (no cluster exchange at all with one CTA of 640 threads), and several trips
+#: per thread (more bytes in flight per thread, fewer CTAs).
+DSV_GEOMETRIES = ((5, 128), (3, 256), (2, 320), (1, 640), (5, 64), (1, 320), (1, 160))
 
 
 def dsv41_geometry(ctx: Context, ms: list[int], hidden: int = 5120) -> list[Record]:
     """Issue #20: what holds the DSV collective above its floor at large M, tried as launch geometry
-    (CTAs per token, threads per CTA, trips per thread) and persistent clusters, every other
-    constant the preset's."""
+    (CTAs per token, threads per CTA, trips per thread), every other constant the preset's."""
     from mhc_dsv41 import AllReduceMHC, presets
 
     preset = presets.get(f"h200-tp{ctx.tp}-h{hidden}").PRESET
     records = []
-    for cluster_size, threads, clusters, staged in DSV_GEOMETRIES:
+    for cluster_size, threads in DSV_GEOMETRIES:
         config = dataclasses.replace(preset, cluster_size=cluster_size, threads=threads)
-        options = dict(clusters=clusters, staged_tokens=staged)
-        op = AllReduceMHC.from_config(config, max_num_tokens=max(ms), device="cuda", group=ctx.group, **options)
-        variant = f"{cluster_size} x {threads}, {config.trips} trip(s), {op.clusters} clusters, {staged} staged"
+        op = AllReduceMHC.from_config(config, max_num_tokens=max(ms), device="cuda", group=ctx.group)
+        variant = f"{cluster_size} x {threads} threads, {config.trips} trip(s)"
         for m in ms:
             us, floor, _, _ = _time_dsv41(ctx, op, m, hidden)
             records.append(Record("dsv41-geometry", ctx.tp, m, variant, us, floor))

@@ -87,10 +87,7 @@ def dsv_op(tp: int):
     common(op, tp, kernels)
     config = MHCConfig(hidden=HIDDEN, hc=HC, tp=tp, cluster_size=1, threads=64, rank_lanes=1)
     op.__dict__.update(
-        hc_mult=HC,
-        norm_eps=1e-6,
-        clusters=132,
-        _collective_kernel=kernels.compiled("collective", LamportMHCKernel(config)),
+        hc_mult=HC, norm_eps=1e-6, _collective_kernel=kernels.compiled("collective", LamportMHCKernel(config))
     )
     op._programs = op._build_programs()
     return op, kernels

@@ -1,10 +1,8 @@
 """The DSV4.1 collective: Lamport all-reduce fused with the mHC post-mix, the carried-pre
 collapse and RMSNorm (the reference's ``_LamportMHCDeviceKernel``).
 
-Clusters of ``cluster_size`` CTAs (grid ``(min(M, clusters), cluster_size)``); cluster ``c`` takes
-tokens ``c, c + clusters, ...``, so up to ``clusters`` tokens (what the GPU holds at once, set by the
-op) a cluster has one token, and beyond it each loops. Per fragment, with ``x`` the all-reduced
-sublayer output rounded to BF16:
+One cluster of ``cluster_size`` CTAs per token (grid ``(M, cluster_size)``). Per
+fragment, with ``x`` the all-reduced sublayer output rounded to BF16:
 
 * ``mixed_j = x * post[j] + sum_i residual[i] * comb[i, j]`` (sources in order),
   stored as ``residual_out[:, j]`` in BF16;
@@ -12,14 +10,9 @@ sublayer output rounded to BF16:
 * ``layer_input = bf16(collapse * rsqrt(sum(collapse^2) / hidden + eps) * weight)``,
   the sum of squares reduced over the cluster through distributed shared memory.
 
-A token's residual streams and mixes (and at tp = 1 its ``x``) are staged in shared memory by
-``cp.async`` copies, two buffers deep: a cluster starts copying its next token before it reduces,
-stores and normalizes the current one, so at large M the loads of one token overlap the rest of
-the previous (one load, reduce, store sequence per token with nothing in flight between them held
-the kernel at 1.6 times its byte floor: BENCHMARKS.md, tenth run). The first token's streams and
-mixes are staged before the PDL wait when the op says the kernel right before is a publish
-(``prefetch``); the weight is loaded once per CTA. The slots are re-armed after reading and the next
-stage is set once per launch.
+Residual streams, weight and mixes are loaded before the PDL wait when the op
+says the kernel right before is a publish (``prefetch``); the slots are re-armed
+after reading and the next stage is set once per launch.
 
 At tp = 1 a launch with ``direct`` set reads ``x`` itself after the PDL wait (the op's plain
 calls: one launch, no publish, no mailbox traffic), with -0 read as +0 as a publish would
@@ -62,7 +55,6 @@ class LamportMHCKernel(DeviceKernel):
             Param("x", Ptr(BFloat16)),
             Param("direct", Scalar(Int32)),
             *mailbox_params(),
-            Param("clusters", Scalar(Int32)),
             Param("m", Scalar(Int32)),
             Param("stream", Stream()),
         )
@@ -70,14 +62,14 @@ class LamportMHCKernel(DeviceKernel):
     @cute.jit
     def __call__(
         self, residual, post, comb, pre, gamma, residual_out, layer_input, eps, prefetch, x, direct,
-        mailbox, stage_state, capacity, spin_limit_ns, error_flag, clusters, m, stream,
+        mailbox, stage_state, capacity, spin_limit_ns, error_flag, m, stream,
     ):  # fmt: skip
         config = self.config
         self.kernel(
             residual, post, comb, pre, gamma, residual_out, layer_input, eps, prefetch, x, direct,
-            mailbox, stage_state, capacity, spin_limit_ns, error_flag, m,
+            mailbox, stage_state, capacity, spin_limit_ns, error_flag,
         ).launch(
-            grid=(cutlass.min(m, clusters), config.cluster_size, 1),
+            grid=(m, config.cluster_size, 1),
             block=(config.threads, 1, 1),
             cluster=(1, config.cluster_size, 1),
             smem=config.shared_bytes,
@@ -104,35 +96,22 @@ class LamportMHCKernel(DeviceKernel):
         capacity: Int32,
         spin_limit_ns: Int64,
         error_flag: Int64,
-        m: Int32,
     ):
         config = self.config
         hc, tp, lanes, hidden, trips = config.hc, config.tp, config.rank_lanes, config.hidden, config.trips
-        groups, mixes, depth = config.groups_per_cta, config.staged_mixes, config.staged_tokens
         tidx, _, _ = cute.arch.thread_idx()
-        first_token, _, _ = cute.arch.block_idx()
-        clusters, _, _ = cute.arch.grid_dim()
+        token, _, _ = cute.arch.block_idx()
         cluster_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         lane = tidx % lanes
         leader = lane == 0
-        group = tidx // lanes
-        base_fragment = cluster_rank * config.groups_per_cta + group
+        base_fragment = cluster_rank * config.groups_per_cta + tidx // lanes
         mailbox_base = mailbox.iterator.toint()
         from_x = protocol.reads_x(direct, tp)
-
-        smem = cutlass.memory.SmemAllocator()
-        # ``depth`` buffers each: [trips, hc, groups] and [trips, groups] fragments, [mixes] FP32.
-        stream_stage = smem.allocate_array(Uint32, depth * config.staged_stream_words, byte_alignment=16)
-        x_stage = smem.allocate_array(Uint32, depth * config.staged_x_words, byte_alignment=16)
-        mix_stage = smem.allocate_array(Float32, depth * mixes, byte_alignment=16)
-        warp_sums = smem.allocate_array(Float32, config.warps)
-        cluster_sums = smem.allocate_array(Float32, 2 * config.cluster_size)
 
         # A direct read comes with prefetch off (the kernel before is x's producer, not a publish).
         if prefetch == Int32(0):
             cute.arch.griddepcontrol_wait()
-        # Weight, residual streams and mixes: written before the publish's producer ran. The first
-        # token's go straight into registers (all of a launch of up to ``clusters`` tokens).
+        # Weights, residual streams and mixes: written before the publish's producer ran.
         gamma_words = cute.make_rmem_tensor(cute.make_layout((trips, 4), stride=(4, 1)), Uint32)
         stream_words = cute.make_rmem_tensor(cute.make_layout((trips, hc, 4), stride=(hc * 4, 4, 1)), Uint32)
         gamma_words.fill(Uint32(0))
@@ -143,217 +122,95 @@ class LamportMHCKernel(DeviceKernel):
                 column = Int64(fragment) * VEC_BF16
                 gamma_words[trip, None].store(ptx.load_u32x4(gamma.toint() + column * 2))
                 for source in cutlass.range_constexpr(hc):
-                    element = (Int64(first_token) * hc + source) * hidden + column
+                    element = (Int64(token) * hc + source) * hidden + column
                     stream_words[trip, source, None].store(ptx.load_u32x4(residual.toint() + element * 2))
         post_mix = cute.make_rmem_tensor(cute.make_layout((hc,)), Float32)
         pre_mix = cute.make_rmem_tensor(cute.make_layout((hc,)), Float32)
         comb_mix = cute.make_rmem_tensor(cute.make_layout((hc, hc), stride=(hc, 1)), Float32)
         for target in cutlass.range_constexpr(hc):
-            mix = Int64(first_token) * hc + target
+            mix = Int64(token) * hc + target
             post_mix[target] = cute.arch.load((post + mix).llvm_ptr, Float32)
             pre_mix[target] = cute.arch.load((pre + mix).llvm_ptr, Float32)
             for source in cutlass.range_constexpr(hc):
                 comb_mix[source, target] = cute.arch.load(
-                    (comb + (Int64(first_token) * hc + source) * hc + target).llvm_ptr, Float32
+                    (comb + (Int64(token) * hc + source) * hc + target).llvm_ptr, Float32
                 )
+
         cute.arch.griddepcontrol_wait()
-        # The next tokens of a looping cluster: one cp.async group each, in token order (the
-        # ``depth - 1`` after the first here, then one per later iteration), token ``i`` of this
-        # cluster in buffer ``i % depth``; ``depth - 1`` groups may still be in flight when one is used.
-        for ahead in cutlass.range_constexpr(1, depth):
-            self.stage_token(
-                ahead, stream_stage, x_stage, mix_stage, residual, post, comb, pre, x, from_x,
-                first_token + ahead * clusters, m, base_fragment, group, leader,
-            )  # fmt: skip
-
         stage, poisoned = protocol.active_stage(stage_state)
+        first_thread = (token == 0) & (cluster_rank == 0) & (tidx == 0)
+        m, _, _ = cute.arch.grid_dim()
         state = stage_state.iterator.toint()
-        iteration = Int32(0)
-        for token in range(first_token, m, clusters):
-            buffer = iteration % depth
-            if iteration > Int32(0):
-                self.stage_token(
-                    (iteration + depth - 1) % depth, stream_stage, x_stage, mix_stage, residual, post, comb, pre,
-                    x, from_x, token + (depth - 1) * clusters, m, base_fragment, group, leader,
-                )  # fmt: skip
-                cute.arch.cp_async_wait_group(depth - 1)  # this token's copies have landed (this thread's)
-                cute.arch.barrier()  # and every thread's (the mixes)
-                streams = stream_stage + buffer * config.staged_stream_words
-                for trip in cutlass.range_constexpr(trips):
-                    for source in cutlass.range_constexpr(hc):
-                        slot = streams + ((trip * hc + source) * groups + group) * 4
-                        stream_words[trip, source, None].store(ptx.load_shared_u32x4(slot))
-                staged_mixes = mix_stage + buffer * mixes
-                for target in cutlass.range_constexpr(hc):
-                    post_mix[target] = cute.arch.load((staged_mixes + target).llvm_ptr, Float32)
-                    pre_mix[target] = cute.arch.load((staged_mixes + hc + target).llvm_ptr, Float32)
-                    for source in cutlass.range_constexpr(hc):
-                        comb_mix[source, target] = cute.arch.load(
-                            (staged_mixes + 2 * hc + source * hc + target).llvm_ptr, Float32
-                        )
-            upcoming = token + clusters
-
-            first_thread = (token == 0) & (cluster_rank == 0) & (tidx == 0)
-            prenorm_words = cute.make_rmem_tensor(cute.make_layout((trips, 4), stride=(4, 1)), Uint32)
-            prenorm_words.fill(Uint32(0))
-            total = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
-            for trip in cutlass.range_constexpr(trips):
-                fragment = base_fragment + trip * config.fragment_stride
-                active = fragment < config.fragments
-                if from_x:
-                    total.fill(Float32(0.0))
-                    if active & leader:
-                        if iteration == Int32(0):
-                            total.store(
-                                ptx.words_to_f32x8(protocol.load_x(x, token, Int64(fragment) * VEC_BF16, hidden))
-                            )
-                        else:
-                            slot = x_stage + buffer * config.staged_x_words + (trip * groups + group) * 4
-                            words = ptx.sanitize_negative_zero(ptx.load_shared_u32x4(slot))
-                            total.store(ptx.words_to_f32x8(words))
-                    if poisoned:
-                        total.fill(Float32(float("nan")))  # a direct read's poison (the poll's is its own)
-                else:
-                    # The grid's first thread also checks every rank's M (trip 0, spin bound on;
-                    # ``mhc_core.device.protocol``).
-                    poisoned = protocol.poll_and_sum(
-                        total, mailbox_base, stage, token, fragment, lane, active, tp, lanes, capacity, hidden,
-                        spin_limit_ns, error_flag, state, poisoned, tp > 1 and trip == 0,
-                        first_thread & (spin_limit_ns > Int64(0)), m,
-                    )  # fmt: skip
-                if active & leader:
-                    # The all-reduced sublayer output is BF16, as the unfused collective returns it.
-                    reduced = total.load().to(BFloat16).to(Float32)
-                    collapse = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
-                    collapse.fill(Float32(0.0))
-                    column = Int64(fragment) * VEC_BF16
-                    for target in cutlass.range_constexpr(hc):
-                        mixed = reduced * post_mix[target]
-                        for source in cutlass.range_constexpr(hc):
-                            mixed = (
-                                mixed
-                                + ptx.words_to_f32x8(stream_words[trip, source, None].load()) * comb_mix[source, target]
-                            )
-                        mixed_words = ptx.f32x8_to_words(mixed)
-                        element = (Int64(token) * hc + target) * hidden + column
-                        ptx.store_u32x4(residual_out.toint() + element * 2, mixed_words)
-                        collapse.store(collapse.load() + ptx.words_to_f32x8(mixed_words) * pre_mix[target])
-                    prenorm_words[trip, None].store(ptx.f32x8_to_words(collapse.load()))
-
-            # Poisoned, or read directly: nothing consumed (no re-arm, the stage stays); a poisoned
-            # kernel's outputs carry the NaN.
-            healthy = (poisoned == Boolean(False)) & (from_x == Boolean(False))
-            protocol.advance_stage(stage_state, stage, first_thread & healthy)
-            if upcoming >= m:
-                cute.arch.griddepcontrol_launch_dependents()  # this cluster's last poll is done
-            for trip in cutlass.range_constexpr(trips):
-                fragment = base_fragment + trip * config.fragment_stride
-                protocol.rearm_slots(
-                    mailbox_base, stage, token, token, fragment, lane, (fragment < config.fragments) & healthy, 1,
-                    tp, lanes, capacity, hidden,
-                )  # fmt: skip
-
-            squares = cute.make_rmem_tensor(cute.make_layout((1,)), Float32)
-            squares[0] = Float32(0.0)
-            for trip in cutlass.range_constexpr(trips):
-                fragment = base_fragment + trip * config.fragment_stride
-                if (fragment < config.fragments) & leader:
-                    values = ptx.words_to_f32x8(prenorm_words[trip, None].load())
-                    squares[0] = squares[0] + (values * values).reduce(
-                        cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0
-                    )
-            # Each token's peer sums go to its buffer's slots: a peer already on the next token
-            # cannot overwrite what this CTA still reads.
-            sums = cluster_sums + (iteration % 2) * config.cluster_size
-            reduce.block_to_cluster(squares, 1, warp_sums, sums, cluster_rank, config.threads, config.cluster_size)
-            sum_squares = reduce.cluster_total(sums, 0, 1, config.cluster_size)
-            inv_rms = cute.math.rsqrt(sum_squares / Float32(hidden) + eps, fastmath=True)
-            for trip in cutlass.range_constexpr(trips):
-                fragment = base_fragment + trip * config.fragment_stride
-                if (fragment < config.fragments) & leader:
-                    prenorm = ptx.words_to_f32x8(prenorm_words[trip, None].load())
-                    weight = ptx.words_to_f32x8(gamma_words[trip, None].load())
-                    element = Int64(token) * hidden + Int64(fragment) * VEC_BF16
-                    ptx.store_u32x4(layer_input.toint() + element * 2, ptx.f32x8_to_words(prenorm * inv_rms * weight))
-            iteration = iteration + 1
-
-    @cute.jit
-    def stage_token(
-        self,
-        buffer: Int32,
-        stream_stage: cute.Pointer,
-        x_stage: cute.Pointer,
-        mix_stage: cute.Pointer,
-        residual: cute.Pointer,
-        post: cute.Pointer,
-        comb: cute.Pointer,
-        pre: cute.Pointer,
-        x: cute.Pointer,
-        from_x: Boolean,
-        token: Int32,
-        m: Int32,
-        base_fragment: Int32,
-        group: Int32,
-        leader: Boolean,
-    ):
-        """Start copying ``token``'s inputs into staging buffer ``buffer`` and commit them as one
-        group (an empty one past the last token, so that every token has its group)."""
-        config = self.config
-        if token < m:
-            self.stage_inputs(
-                stream_stage + buffer * config.staged_stream_words, mix_stage + buffer * config.staged_mixes,
-                residual, post, comb, pre, token, base_fragment, group, leader,
-            )  # fmt: skip
+        prenorm_words = cute.make_rmem_tensor(cute.make_layout((trips, 4), stride=(4, 1)), Uint32)
+        prenorm_words.fill(Uint32(0))
+        total = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
+        for trip in cutlass.range_constexpr(trips):
+            fragment = base_fragment + trip * config.fragment_stride
+            active = fragment < config.fragments
             if from_x:
-                self.stage_x(x_stage + buffer * config.staged_x_words, x, token, base_fragment, group, leader)
-        cute.arch.cp_async_commit_group()
-
-    @cute.jit
-    def stage_inputs(
-        self,
-        streams: cute.Pointer,
-        mixes: cute.Pointer,
-        residual: cute.Pointer,
-        post: cute.Pointer,
-        comb: cute.Pointer,
-        pre: cute.Pointer,
-        token: Int32,
-        base_fragment: Int32,
-        group: Int32,
-        leader: Boolean,
-    ):
-        """Start copying ``token``'s residual fragments (a group leader's own) and its mixes (post,
-        pre, comb: one FP32 per thread and trip, 4-byte copies as their rows are 4-byte aligned)."""
-        config = self.config
-        hc = config.hc
-        if leader:
-            for trip in cutlass.range_constexpr(config.trips):
-                fragment = base_fragment + trip * config.fragment_stride
-                if fragment < config.fragments:
+                total.fill(Float32(0.0))
+                if active:
+                    total.store(ptx.words_to_f32x8(protocol.load_x(x, token, Int64(fragment) * VEC_BF16, hidden)))
+                if poisoned:
+                    total.fill(Float32(float("nan")))  # a direct read's poison (the poll's is its own)
+            else:
+                # The grid's first thread also checks every rank's M (trip 0, spin bound on;
+                # ``mhc_core.device.protocol``).
+                poisoned = protocol.poll_and_sum(
+                    total, mailbox_base, stage, token, fragment, lane, active, tp, lanes, capacity, hidden,
+                    spin_limit_ns, error_flag, state, poisoned, tp > 1 and trip == 0,
+                    first_thread & (spin_limit_ns > Int64(0)), m,
+                )  # fmt: skip
+            if active & leader:
+                # The all-reduced sublayer output is BF16, as the unfused collective returns it.
+                reduced = total.load().to(BFloat16).to(Float32)
+                collapse = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
+                collapse.fill(Float32(0.0))
+                column = Int64(fragment) * VEC_BF16
+                for target in cutlass.range_constexpr(hc):
+                    mixed = reduced * post_mix[target]
                     for source in cutlass.range_constexpr(hc):
-                        element = (Int64(token) * hc + source) * config.hidden + Int64(fragment) * VEC_BF16
-                        slot = streams + ((trip * hc + source) * config.groups_per_cta + group) * 4
-                        ptx.copy_async_16(slot, residual.toint() + element * 2)
-        tidx, _, _ = cute.arch.thread_idx()
-        for trip in cutlass.range_constexpr(-(-config.staged_mixes // config.threads)):
-            index = tidx + trip * config.threads
-            if index < Int32(config.staged_mixes):
-                address = comb.toint() + (Int64(token) * (hc * hc) + Int64(index - 2 * hc)) * 4
-                if index < Int32(2 * hc):
-                    address = pre.toint() + (Int64(token) * hc + Int64(index - hc)) * 4
-                if index < Int32(hc):
-                    address = post.toint() + (Int64(token) * hc + Int64(index)) * 4
-                ptx.copy_async_4(mixes + index, address)
+                        mixed = (
+                            mixed
+                            + ptx.words_to_f32x8(stream_words[trip, source, None].load()) * comb_mix[source, target]
+                        )
+                    mixed_words = ptx.f32x8_to_words(mixed)
+                    element = (Int64(token) * hc + target) * hidden + column
+                    ptx.store_u32x4(residual_out.toint() + element * 2, mixed_words)
+                    collapse.store(collapse.load() + ptx.words_to_f32x8(mixed_words) * pre_mix[target])
+                prenorm_words[trip, None].store(ptx.f32x8_to_words(collapse.load()))
 
-    @cute.jit
-    def stage_x(
-        self, staged: cute.Pointer, x: cute.Pointer, token: Int32, base_fragment: Int32, group: Int32, leader: Boolean
-    ):
-        """Start copying ``token``'s fragments of ``x`` (a direct read; after the PDL wait)."""
-        config = self.config
-        if leader:
-            for trip in cutlass.range_constexpr(config.trips):
-                fragment = base_fragment + trip * config.fragment_stride
-                if fragment < config.fragments:
-                    element = Int64(token) * config.hidden + Int64(fragment) * VEC_BF16
-                    ptx.copy_async_16(staged + (trip * config.groups_per_cta + group) * 4, x.toint() + element * 2)
+        # Poisoned, or read directly: nothing consumed (no re-arm, the stage stays); a poisoned
+        # kernel's outputs carry the NaN.
+        healthy = (poisoned == Boolean(False)) & (from_x == Boolean(False))
+        protocol.advance_stage(stage_state, stage, first_thread & healthy)
+        cute.arch.griddepcontrol_launch_dependents()
+        for trip in cutlass.range_constexpr(trips):
+            fragment = base_fragment + trip * config.fragment_stride
+            protocol.rearm_slots(
+                mailbox_base, stage, token, token, fragment, lane, (fragment < config.fragments) & healthy, 1, tp,
+                lanes, capacity, hidden,
+            )  # fmt: skip
+
+        squares = cute.make_rmem_tensor(cute.make_layout((1,)), Float32)
+        squares[0] = Float32(0.0)
+        for trip in cutlass.range_constexpr(trips):
+            fragment = base_fragment + trip * config.fragment_stride
+            if (fragment < config.fragments) & leader:
+                values = ptx.words_to_f32x8(prenorm_words[trip, None].load())
+                squares[0] = squares[0] + (values * values).reduce(
+                    cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0
+                )
+        smem = cutlass.memory.SmemAllocator()
+        warp_sums = smem.allocate_array(Float32, config.warps)
+        cluster_sums = smem.allocate_array(Float32, config.cluster_size)
+        reduce.block_to_cluster(squares, 1, warp_sums, cluster_sums, cluster_rank, config.threads, config.cluster_size)
+        sum_squares = reduce.cluster_total(cluster_sums, 0, 1, config.cluster_size)
+        inv_rms = cute.math.rsqrt(sum_squares / Float32(hidden) + eps, fastmath=True)
+        for trip in cutlass.range_constexpr(trips):
+            fragment = base_fragment + trip * config.fragment_stride
+            if (fragment < config.fragments) & leader:
+                prenorm = ptx.words_to_f32x8(prenorm_words[trip, None].load())
+                weight = ptx.words_to_f32x8(gamma_words[trip, None].load())
+                element = Int64(token) * hidden + Int64(fragment) * VEC_BF16
+                ptx.store_u32x4(layer_input.toint() + element * 2, ptx.f32x8_to_words(prenorm * inv_rms * weight))

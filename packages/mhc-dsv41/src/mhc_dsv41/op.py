@@ -23,7 +23,7 @@ from mhc_core.host.validation import check_int, check_positive_float
 from mhc_core.presets import warn_if_untuned
 
 from . import library  # noqa: F401  (registers the mhc::dsv41_* custom ops)
-from .config import COLLECTIVE_KERNEL, DSV41Preset, MHCConfig, default_geometry, resident_clusters
+from .config import COLLECTIVE_KERNEL, DSV41Preset, MHCConfig, default_geometry
 
 Outputs = tuple[torch.Tensor, torch.Tensor]
 
@@ -44,11 +44,6 @@ class AllReduceMHC(LamportOp):
             (opt-in; also ``MHC_TRANSPORT``).
         cluster_size, threads, rank_lanes: launch geometry; omitted values follow
             ``mhc_dsv41.config.default_geometry`` (the rule presets use too).
-        clusters: the most clusters the collective launches; beyond that many tokens each
-            cluster loops over several. None: as many as the device holds at once
-            (``mhc_dsv41.config.resident_clusters``).
-        staged_tokens: tokens whose inputs the collective has in flight at once (2..4; None: the
-            config's default, what presets use).
         spin_timeout_ms: device-side bound on every poll (off by default; also
             ``MHC_SPIN_TIMEOUT_MS``).
         check_routes: verify MoE route indices on the device (debug mode).
@@ -71,16 +66,12 @@ class AllReduceMHC(LamportOp):
         cluster_size: int | None = None,
         threads: int | None = None,
         rank_lanes: int | None = None,
-        clusters: int | None = None,
-        staged_tokens: int | None = None,
         publish_threads: int = 128,
         spin_timeout_ms: float | None = None,
         check_routes: bool = False,
         norm_eps: float = 1e-6,
     ) -> None:
         self.hc_mult = check_int("hc_mult", hc_mult, minimum=1, maximum=16)
-        if clusters is not None:
-            check_int("clusters", clusters, minimum=1)
         self.norm_eps = check_positive_float("norm_eps", norm_eps)
         check_int("top_k", top_k, minimum=1)
         super().__init__(
@@ -99,13 +90,7 @@ class AllReduceMHC(LamportOp):
         for key, value in (("cluster_size", cluster_size), ("threads", threads), ("rank_lanes", rank_lanes)):
             if value is not None:
                 geometry[key] = check_int(key, value, minimum=1)
-        if staged_tokens is not None:
-            geometry["staged_tokens"] = check_int("staged_tokens", staged_tokens, minimum=2, maximum=4)
         self.config = MHCConfig(hidden=hidden_size, hc=hc_mult, tp=self.tp, **geometry)
-        if clusters is None:
-            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            clusters = resident_clusters(self.config, sms)
-        self.clusters = clusters
         self._build_publishes()
         self._collective_kernel = self._compile(KernelSpec(COLLECTIVE_KERNEL, self.config))
         self._setup()
@@ -178,7 +163,6 @@ class AllReduceMHC(LamportOp):
             # Read only when direct (tp = 1): the collective then reads x instead of the mailbox.
             x=Pointer("x" if direct else "residual"),
             direct=Fixed(int(direct)),
-            clusters=Fixed(self.clusters),
         )
         kernel = self._collective_kernel
         return [Launch([kernel.function], kernel.signature, sources)]

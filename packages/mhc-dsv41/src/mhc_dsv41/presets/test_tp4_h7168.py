@@ -42,14 +42,14 @@ PRESET = DSV41Preset(
 
 #: ``PRESET.geometry()``: grids, clusters, threads and shared memory of its launches.
 GEOMETRY: dict[str, Any] = {
-    "grid": "(min(M, clusters), 5, 1)",
+    "grid": "(M, 5, 1)",
     "cluster": (1, 5, 1),
     "threads": 128,
     "rank_lanes": 2,
     "fragments": 896,
     "trips": 3,
     "last_trip_fragments": 256,
-    "shared_bytes": 24856,
+    "shared_bytes": 36,
     "publish_grid": "(M, 7, 1)",
     "publish_threads": 128,
 }
@@ -95,7 +95,7 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
         ),
         "collective": (
             "mhc_dsv41.kernel:LamportMHCKernel",
-            {"hidden": 7168, "hc": 4, "tp": 4, "cluster_size": 5, "rank_lanes": 2, "threads": 128, "staged_tokens": 2},
+            {"hidden": 7168, "hc": 4, "tp": 4, "cluster_size": 5, "rank_lanes": 2, "threads": 128},
         ),
     },
 }
