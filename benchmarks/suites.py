@@ -160,24 +160,32 @@ def dsv41_suite(ctx: Context, ms: list[int], hidden: int = 5120) -> list[Record]
     return records
 
 
-#: The DSV collective's geometries ``dsv41-geometry`` times, as (cluster_size, threads): the H200
-#: preset's (5 CTAs of 128 threads, one trip over hidden 5120's 640 fragments), larger CTAs in
-#: smaller clusters (no cluster exchange at all with one CTA of 640 threads), and several trips
-#: per thread (more bytes in flight per thread, fewer CTAs).
-DSV_GEOMETRIES = ((5, 128), (3, 256), (2, 320), (1, 640), (5, 64), (1, 320), (1, 160))
+#: The DSV collective's variants ``dsv41-geometry`` times, as (cluster_size, threads, persistent from
+#: M, clusters, staged tokens): the H200 preset's geometry (5 CTAs of 128 threads, one trip over
+#: hidden 5120's 640 fragments) with the one-token collective at every M, and with the persistent one
+#: at every M (the clusters the op picks, None: ``mhc_dsv41.config.resident_clusters``, or fewer; one
+#: token staged ahead, or two); the op itself switches at ``PERSISTENT_MIN_TOKENS``.
+ONE_TOKEN_ONLY = 1 << 30
+DSV_GEOMETRIES = (
+    (5, 128, ONE_TOKEN_ONLY, None, 2), (5, 128, 1, None, 2), (5, 128, 1, 88, 3), (5, 128, 1, 66, 2),
+)  # fmt: skip
 
 
 def dsv41_geometry(ctx: Context, ms: list[int], hidden: int = 5120) -> list[Record]:
     """Issue #20: what holds the DSV collective above its floor at large M, tried as launch geometry
-    (CTAs per token, threads per CTA, trips per thread), every other constant the preset's."""
+    (CTAs per token, threads per CTA, trips per thread) and persistent clusters, every other
+    constant the preset's."""
     from mhc_dsv41 import AllReduceMHC, presets
 
     preset = presets.get(f"h200-tp{ctx.tp}-h{hidden}").PRESET
     records = []
-    for cluster_size, threads in DSV_GEOMETRIES:
+    for cluster_size, threads, persistent_from, clusters, staged in DSV_GEOMETRIES:
         config = dataclasses.replace(preset, cluster_size=cluster_size, threads=threads)
-        op = AllReduceMHC.from_config(config, max_num_tokens=max(ms), device="cuda", group=ctx.group)
-        variant = f"{cluster_size} x {threads} threads, {config.trips} trip(s)"
+        options = dict(persistent_min_tokens=persistent_from, clusters=clusters, staged_tokens=staged)
+        op = AllReduceMHC.from_config(config, max_num_tokens=max(ms), device="cuda", group=ctx.group, **options)
+        variant = f"{cluster_size} x {threads}, {config.trips} trip(s), one token per cluster"
+        if persistent_from != ONE_TOKEN_ONLY:
+            variant = f"{cluster_size} x {threads}, persistent: {op.clusters} clusters, {staged} staged"
         for m in ms:
             us, floor, _, _ = _time_dsv41(ctx, op, m, hidden)
             records.append(Record("dsv41-geometry", ctx.tp, m, variant, us, floor))

@@ -85,6 +85,8 @@ def dynamic_shared(model: str, kernel: str, geometry: dict[str, Any]) -> int | N
     """The kernel's dynamic shared memory where the preset's GEOMETRY states it (ptxas sees only static)."""
     if model == "dsv41" and kernel == "collective":
         return geometry["shared_bytes"]
+    if model == "dsv41" and kernel == "collective_persistent":
+        return geometry["persistent_shared_bytes"]
     if model == "glm5" and kernel == "boundary":
         return geometry["shared_bytes"]
     if model == "glm5" and kernel.startswith("boundary_x"):

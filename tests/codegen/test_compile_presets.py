@@ -83,8 +83,17 @@ def test_one_real_preset() -> None:
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = [line.split() for line in result.stdout.splitlines() if line.startswith("dsv41.h200-tp2-h5120 ")]
-    assert [row[1] for row in rows] == ["publish", "publish_multicast", "finalize", "collective"]
-    assert rows[-1][6:8] == ["36", "dyn"]
+    assert [row[1] for row in rows] == [
+        "publish",
+        "publish_multicast",
+        "finalize",
+        "collective",
+        "collective_persistent",
+    ]
+    from mhc_dsv41.presets import h200_tp2_h5120
+
+    assert rows[-2][6:8] == [str(h200_tp2_h5120.GEOMETRY["shared_bytes"]), "dyn"]
+    assert rows[-1][6:8] == [str(h200_tp2_h5120.GEOMETRY["persistent_shared_bytes"]), "dyn"]
 
 
 def test_unknown_preset() -> None:

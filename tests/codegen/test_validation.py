@@ -58,7 +58,7 @@ CASES: dict[str, tuple[str, dict[str, Any], str]] = {
     "dsv-trips-times-hc": (
         DSV,
         {"hidden": 7168, "hc": 16},
-        "key 'cluster_size': trips x hc must be <= 16 (each trip keeps hc residual fragments in registers); "
+        "key 'cluster_size': trips x hc must be <= 16 (each trip stages hc residual fragments in shared memory); "
         "trips = 2, hc = 16; got 5",
     ),
     "dsv-archs-unknown": (

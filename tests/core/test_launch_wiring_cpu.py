@@ -8,6 +8,7 @@ rejected call raises the precise error before any launch."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +16,8 @@ import torch
 import tvm_ffi
 
 HIDDEN, HC, M, TOP_K, CAPACITY = 64, 4, 3, 2, 8
+#: The DSV op's persistent collective from this M (CAPACITY allows it).
+PERSISTENT_MIN_TOKENS = 5
 CPU = torch.device("cpu")
 
 
@@ -87,7 +90,14 @@ def dsv_op(tp: int):
     common(op, tp, kernels)
     config = MHCConfig(hidden=HIDDEN, hc=HC, tp=tp, cluster_size=1, threads=64, rank_lanes=1)
     op.__dict__.update(
-        hc_mult=HC, norm_eps=1e-6, _collective_kernel=kernels.compiled("collective", LamportMHCKernel(config))
+        hc_mult=HC,
+        norm_eps=1e-6,
+        clusters=132,
+        persistent_min_tokens=PERSISTENT_MIN_TOKENS,
+        _collective_kernels=[
+            kernels.compiled("collective", LamportMHCKernel(config)),
+            kernels.compiled("collective_persistent", LamportMHCKernel(dataclasses.replace(config, persistent=True))),
+        ],
     )
     op._programs = op._build_programs()
     return op, kernels
@@ -110,6 +120,17 @@ def moe_fields(m: int = M, dtype: torch.dtype = torch.float32) -> tuple:
 
 def address(tensor: torch.Tensor) -> int:
     return tensor.data_ptr()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_dsv_call_takes_the_persistent_collective_from_its_threshold(tp: int) -> None:
+    """Below ``persistent_min_tokens`` the one-token collective, from it on the persistent one; the
+    clusters argument is the op's either way (the one-token kernel launches one per token)."""
+    op, kernels = dsv_op(tp)
+    for m, expected in ((PERSISTENT_MIN_TOKENS - 1, "collective"), (PERSISTENT_MIN_TOKENS, "collective_persistent")):
+        op(torch.randn(m, HIDDEN).to(torch.bfloat16), *dsv_args(m))
+        name, values = kernels.calls[-1]
+        assert name == expected and values["m"] == m and values["clusters"] == 132
 
 
 @pytest.mark.parametrize("tp", [1, 2])

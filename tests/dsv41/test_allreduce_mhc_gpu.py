@@ -1,6 +1,7 @@
 """AllReduceMHC on the GPU against mhc_core.reference: every H200 and GB300 preset shape, hc = 8,
 hidden 7168 (three trips in rank-lane pairs), tp 1 and loopback 2, 4, 8, plain and MoE finalize, both post shapes,
-poisoned out= buffers, -0 inputs, bitwise-identical ranks, CUDA-graph replays."""
+poisoned out= buffers, -0 inputs, bitwise-identical ranks, CUDA-graph replays; the one-token collective
+and the persistent one (forced at every M, few clusters)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,26 @@ def ops_for(name: str) -> list:
         preset.tp,
         lambda group: AllReduceMHC.from_config(preset, max_num_tokens=CAPACITY, device="cuda", group=group),
     )
+
+
+#: Clusters of the persistent collective under test: few, so that every cluster loops over many
+#: tokens (up to 23 at CAPACITY) and the staging buffers wrap around.
+LOOPING_CLUSTERS = 7
+
+
+def persistent_ops_for(name: str) -> list:
+    """The preset's ops with the persistent collective at every M and ``LOOPING_CLUSTERS`` clusters."""
+    from mhc_dsv41 import AllReduceMHC, presets
+
+    preset = presets.get(name).PRESET
+    return cached_ranks(
+        ("dsv41-persistent", name, CAPACITY),
+        preset.tp,
+        lambda group: AllReduceMHC.from_config(
+            preset, max_num_tokens=CAPACITY, device="cuda", group=group, persistent_min_tokens=1,
+            clusters=LOOPING_CLUSTERS,
+        ),
+    )  # fmt: skip
 
 
 def inputs(m: int, hc: int, hidden: int, generator: torch.Generator, *, post_3d: bool, negative_zero: bool):
@@ -120,6 +141,17 @@ def test_preset_shapes_against_reference(name: str) -> None:
     generator = torch.Generator("cuda").manual_seed(sum(map(ord, name)))
     for index, m in enumerate((1, 3, 16, 128, CAPACITY)):
         run_case(ops, m, generator, finalize=False, post_3d=index % 2 == 1, negative_zero=index == 2)
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_persistent_collective_against_reference(name: str) -> None:
+    """The persistent collective (every cluster looping over its tokens, inputs staged ahead):
+    plain calls (the direct read at tp = 1) and the MoE finalize (the mailbox path)."""
+    ops = persistent_ops_for(name)
+    generator = torch.Generator("cuda").manual_seed(sum(map(ord, name)) + 1)
+    for index, m in enumerate((1, LOOPING_CLUSTERS + 1, 37, CAPACITY)):
+        run_case(ops, m, generator, finalize=False, post_3d=index % 2 == 0, negative_zero=index == 1)
+    run_case(ops, CAPACITY, generator, finalize=True, post_3d=False, negative_zero=False)
 
 
 @pytest.mark.parametrize("name", ["h200-tp1-h5120", "h200-tp2-h5120", "h200-tp4-h5120", "h200-tp8-h5120"])

@@ -23,6 +23,7 @@ from typing import Any
 from mhc_core.constants import VEC_BF16, WARP_SIZE
 from mhc_core.presets import (
     MAX_CLUSTER_SIZE,
+    MAX_SHARED_BYTES,
     require,
     require_archs,
     require_hidden,
@@ -42,7 +43,8 @@ COLLECTIVE_KERNEL = "mhc_dsv41.kernel:LamportMHCKernel"
 
 DEFAULT_THREADS = 128
 DEFAULT_RANK_LANES = 1
-#: Registers hold every trip's hc residual fragments (4 words each): bound them.
+#: Shared memory stages every trip's hc residual fragments, two tokens deep: bound them (at most
+#: 64 KiB for 128 threads, so that several CTAs share an SM).
 MAX_TRIP_STREAMS = 16
 
 
@@ -54,12 +56,38 @@ def default_geometry(hidden: int, hc: int, tp: int) -> dict[str, int]:
     return {"cluster_size": cluster_size, "threads": DEFAULT_THREADS, "rank_lanes": DEFAULT_RANK_LANES}
 
 
+#: Calls with at least this many tokens take the persistent collective (between the tenth run's
+#: M = 256, where the one-token collective is 7 % faster, and M = 1024, where it is 10 % slower).
+PERSISTENT_MIN_TOKENS = 512
+#: Registers per thread the collective stays within (a CPU test compiles every preset's and checks):
+#: what the default number of persistent clusters assumes.
+COLLECTIVE_REGISTERS = 160
+#: An SM's registers, threads and shared memory (sm_90 / sm_100).
+SM_REGISTERS = 65536
+SM_THREADS = 2048
+SM_SHARED_BYTES = 233472
+
+
+def resident_clusters(geometry: CollectiveGeometry, sms: int) -> int:
+    """How many of the collective's clusters ``sms`` SMs hold at once (registers at
+    ``COLLECTIVE_REGISTERS``, threads, shared memory with 1 KiB reserved per CTA): the grid beyond
+    which a cluster loops over tokens."""
+    per_sm = min(
+        SM_THREADS // geometry.threads,
+        SM_REGISTERS // (geometry.threads * COLLECTIVE_REGISTERS),
+        SM_SHARED_BYTES // (geometry.shared_bytes + 1024),
+    )
+    return max(1, sms * max(1, per_sm) // geometry.cluster_size)
+
+
 class CollectiveGeometry:
     """The collective's launch geometry, derived from ``hidden``, ``threads``, ``rank_lanes`` and
     ``cluster_size``: what a preset reports and the kernel's config compiles (one definition)."""
 
     __slots__ = ()
     hidden: int
+    hc: int
+    tp: int
     threads: int
     rank_lanes: int
     cluster_size: int
@@ -84,10 +112,40 @@ class CollectiveGeometry:
     def warps(self) -> int:
         return self.threads // WARP_SIZE
 
+    #: Tokens staged at once: the current one and ``staged_tokens - 1`` ahead (the preset's own
+    #: dataclass has no such field: every preset stages the default).
+    staged_tokens: int = 2
+
+    @property
+    def staged_mixes(self) -> int:
+        """FP32 mixes staged per token: post (hc), pre (hc), comb (hc x hc)."""
+        return self.hc * (self.hc + 2)
+
+    @property
+    def staged_stream_words(self) -> int:
+        """u32 words of one token's staged residual fragments: [trips, hc, groups] x 16 bytes."""
+        return self.trips * self.hc * self.groups_per_cta * 4
+
+    @property
+    def staged_x_words(self) -> int:
+        """u32 words of one token's staged ``x`` (read directly at tp = 1 only; else one fragment)."""
+        return self.trips * self.groups_per_cta * 4 if self.tp == 1 else 4
+
+    #: Whether the collective loops over tokens (``staged_tokens`` staged at once); a one-token
+    #: collective (one cluster per token, nothing staged) serves calls below ``PERSISTENT_MIN_TOKENS``.
+    persistent: bool = False
+
     @property
     def shared_bytes(self) -> int:
-        """Warp sums and one slot per cluster peer for the RMSNorm sum of squares."""
-        return (self.warps + self.cluster_size) * 4
+        """Persistent: ``staged_tokens`` staging buffers (streams, x, mixes: each 16-byte aligned).
+        Then the warp sums and two slots per cluster peer (one per token reduced at once) for the
+        RMSNorm sum of squares."""
+        staged = 0
+        if self.persistent:
+            depth = self.staged_tokens
+            staged = depth * (self.staged_stream_words + self.staged_x_words) * 4
+            staged += -(-depth * self.staged_mixes * 4 // 16) * 16
+        return staged + (self.warps + 2 * self.cluster_size) * 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +185,7 @@ class DSV41Preset(CollectiveGeometry):
         require(
             self.trips * self.hc <= MAX_TRIP_STREAMS,
             "cluster_size",
-            f"trips x hc must be <= {MAX_TRIP_STREAMS} (each trip keeps hc residual fragments in registers); "
+            f"trips x hc must be <= {MAX_TRIP_STREAMS} (each trip stages hc residual fragments in shared memory); "
             f"trips = {self.trips}, hc = {self.hc}",
             self.cluster_size,
         )
@@ -143,12 +201,15 @@ class DSV41Preset(CollectiveGeometry):
             "trips": self.trips,
             "last_trip_fragments": self.fragments - (self.trips - 1) * self.fragment_stride,
             "shared_bytes": self.shared_bytes,
+            "persistent_min_tokens": PERSISTENT_MIN_TOKENS,
+            "persistent_grid": f"(min(M, clusters), {self.cluster_size}, 1)",
+            "persistent_shared_bytes": MHCConfig(**self.collective_config(persistent=True)).shared_bytes,
             "publish_grid": f"(M, {-(-self.fragments // self.publish_threads)}, 1)",
             "publish_threads": self.publish_threads,
         }
 
     # ----------------------------------------------------------- kernels
-    def collective_config(self) -> dict[str, Any]:
+    def collective_config(self, persistent: bool = False) -> dict[str, Any]:
         return {
             "hidden": self.hidden,
             "hc": self.hc,
@@ -156,6 +217,8 @@ class DSV41Preset(CollectiveGeometry):
             "cluster_size": self.cluster_size,
             "rank_lanes": self.rank_lanes,
             "threads": self.threads,
+            "staged_tokens": self.staged_tokens,
+            "persistent": persistent,
         }
 
     def kernel_specs(self, arch: str) -> dict[str, tuple[str, dict[str, Any]]]:
@@ -163,7 +226,8 @@ class DSV41Preset(CollectiveGeometry):
 
         The unicast publish (the transport every lent host runs) and the
         multicast one (opt-in, compile-checked), the FP32-weight finalize, the
-        collective. None depends on ``arch`` beyond the compile target.
+        one-token collective and the persistent one (from ``PERSISTENT_MIN_TOKENS``). None
+        depends on ``arch`` beyond the compile target.
         """
         publish = {"hidden": self.hidden, "tp": self.tp, "threads": self.publish_threads, "trigger": "after_stores"}
         return {
@@ -174,6 +238,7 @@ class DSV41Preset(CollectiveGeometry):
                 {**publish, "store": "unicast", "top_k": self.top_k, "weights": "float32"},
             ),
             "collective": (COLLECTIVE_KERNEL, self.collective_config()),
+            "collective_persistent": (COLLECTIVE_KERNEL, self.collective_config(persistent=True)),
         }
 
 
@@ -187,8 +252,12 @@ class MHCConfig(CollectiveGeometry):
     cluster_size: int
     rank_lanes: int
     threads: int
+    staged_tokens: int = 2
+    persistent: bool = False
 
     def __post_init__(self) -> None:
+        if not 2 <= self.staged_tokens <= 4:
+            raise ValueError(f"staged_tokens: expected 2..4, got {self.staged_tokens}")
         if self.hidden <= 0 or self.hidden % VEC_BF16:
             raise ValueError(f"hidden: expected a positive multiple of {VEC_BF16}, got {self.hidden}")
         if self.rank_lanes not in (1, 2, 4, 8) or self.tp % self.rank_lanes:
@@ -197,3 +266,8 @@ class MHCConfig(CollectiveGeometry):
             raise ValueError(f"threads: expected a multiple of 32 and of rank_lanes in [32, 1024], got {self.threads}")
         if not 1 <= self.cluster_size <= 8:
             raise ValueError(f"cluster_size: expected 1..8, got {self.cluster_size}")
+        if self.shared_bytes > MAX_SHARED_BYTES:
+            raise ValueError(
+                f"threads: {self.threads} threads x {self.trips} trips x hc = {self.hc} stage {self.shared_bytes} "
+                f"bytes of shared memory, more than {MAX_SHARED_BYTES} (fewer threads or a larger cluster_size)"
+            )

@@ -1,8 +1,11 @@
 """The DSV4.1 collective: Lamport all-reduce fused with the mHC post-mix, the carried-pre
 collapse and RMSNorm (the reference's ``_LamportMHCDeviceKernel``).
 
-One cluster of ``cluster_size`` CTAs per token (grid ``(M, cluster_size)``). Per
-fragment, with ``x`` the all-reduced sublayer output rounded to BF16:
+Two variants of one kernel (``MHCConfig.persistent``), the op picking by M
+(``PERSISTENT_MIN_TOKENS``): the one-token collective, one cluster of ``cluster_size`` CTAs per token
+(grid ``(M, cluster_size)``), and the persistent one, grid ``(min(M, clusters), cluster_size)``,
+whose cluster ``c`` takes tokens ``c, c + clusters, ...``. Per fragment, with ``x`` the all-reduced
+sublayer output rounded to BF16:
 
 * ``mixed_j = x * post[j] + sum_i residual[i] * comb[i, j]`` (sources in order),
   stored as ``residual_out[:, j]`` in BF16;
@@ -10,9 +13,14 @@ fragment, with ``x`` the all-reduced sublayer output rounded to BF16:
 * ``layer_input = bf16(collapse * rsqrt(sum(collapse^2) / hidden + eps) * weight)``,
   the sum of squares reduced over the cluster through distributed shared memory.
 
-Residual streams, weight and mixes are loaded before the PDL wait when the op
-says the kernel right before is a publish (``prefetch``); the slots are re-armed
-after reading and the next stage is set once per launch.
+A cluster's first token's residual streams, weight and mixes are loaded into registers, before the
+PDL wait when the op says the kernel right before is a publish (``prefetch``). The persistent
+collective copies its later tokens' streams and mixes (and at tp = 1 their ``x``) into shared
+memory with ``cp.async``, ``staged_tokens - 1`` tokens ahead, so a token's loads overlap the
+reduction and stores of the one before (the one-token collective has nothing of the next token in
+flight while it reduces and stores: at M = 1024 that held it at 1.65 times its byte floor,
+BENCHMARKS.md, tenth and eleventh runs). The slots are re-armed after reading and the next stage is
+set once per launch.
 
 At tp = 1 a launch with ``direct`` set reads ``x`` itself after the PDL wait (the op's plain
 calls: one launch, no publish, no mailbox traffic), with -0 read as +0 as a publish would
@@ -55,6 +63,7 @@ class LamportMHCKernel(DeviceKernel):
             Param("x", Ptr(BFloat16)),
             Param("direct", Scalar(Int32)),
             *mailbox_params(),
+            Param("clusters", Scalar(Int32)),
             Param("m", Scalar(Int32)),
             Param("stream", Stream()),
         )
@@ -62,14 +71,14 @@ class LamportMHCKernel(DeviceKernel):
     @cute.jit
     def __call__(
         self, residual, post, comb, pre, gamma, residual_out, layer_input, eps, prefetch, x, direct,
-        mailbox, stage_state, capacity, spin_limit_ns, error_flag, m, stream,
+        mailbox, stage_state, capacity, spin_limit_ns, error_flag, clusters, m, stream,
     ):  # fmt: skip
         config = self.config
         self.kernel(
             residual, post, comb, pre, gamma, residual_out, layer_input, eps, prefetch, x, direct,
-            mailbox, stage_state, capacity, spin_limit_ns, error_flag,
+            mailbox, stage_state, capacity, spin_limit_ns, error_flag, m,
         ).launch(
-            grid=(m, config.cluster_size, 1),
+            grid=(cutlass.min(m, clusters) if config.persistent else m, config.cluster_size, 1),
             block=(config.threads, 1, 1),
             cluster=(1, config.cluster_size, 1),
             smem=config.shared_bytes,
@@ -96,22 +105,37 @@ class LamportMHCKernel(DeviceKernel):
         capacity: Int32,
         spin_limit_ns: Int64,
         error_flag: Int64,
+        m: Int32,
     ):
         config = self.config
         hc, tp, lanes, hidden, trips = config.hc, config.tp, config.rank_lanes, config.hidden, config.trips
+        groups, mixes, depth = config.groups_per_cta, config.staged_mixes, config.staged_tokens
         tidx, _, _ = cute.arch.thread_idx()
-        token, _, _ = cute.arch.block_idx()
+        first_token, _, _ = cute.arch.block_idx()
+        clusters, _, _ = cute.arch.grid_dim()
         cluster_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         lane = tidx % lanes
         leader = lane == 0
-        base_fragment = cluster_rank * config.groups_per_cta + tidx // lanes
+        group = tidx // lanes
+        base_fragment = cluster_rank * config.groups_per_cta + group
         mailbox_base = mailbox.iterator.toint()
         from_x = protocol.reads_x(direct, tp)
+
+        smem = cutlass.memory.SmemAllocator()
+        stream_stage = x_stage = mix_stage = None
+        if cutlass.const_expr(config.persistent):
+            # ``depth`` buffers each: [trips, hc, groups] and [trips, groups] fragments, [mixes] FP32.
+            stream_stage = smem.allocate_array(Uint32, depth * config.staged_stream_words, byte_alignment=16)
+            x_stage = smem.allocate_array(Uint32, depth * config.staged_x_words, byte_alignment=16)
+            mix_stage = smem.allocate_array(Float32, depth * mixes, byte_alignment=16)
+        warp_sums = smem.allocate_array(Float32, config.warps)
+        cluster_sums = smem.allocate_array(Float32, 2 * config.cluster_size)
 
         # A direct read comes with prefetch off (the kernel before is x's producer, not a publish).
         if prefetch == Int32(0):
             cute.arch.griddepcontrol_wait()
-        # Weights, residual streams and mixes: written before the publish's producer ran.
+        # Weight, residual streams and mixes: written before the publish's producer ran. The first
+        # token's go straight into registers (all of a launch of up to ``clusters`` tokens).
         gamma_words = cute.make_rmem_tensor(cute.make_layout((trips, 4), stride=(4, 1)), Uint32)
         stream_words = cute.make_rmem_tensor(cute.make_layout((trips, hc, 4), stride=(hc * 4, 4, 1)), Uint32)
         gamma_words.fill(Uint32(0))
@@ -122,25 +146,89 @@ class LamportMHCKernel(DeviceKernel):
                 column = Int64(fragment) * VEC_BF16
                 gamma_words[trip, None].store(ptx.load_u32x4(gamma.toint() + column * 2))
                 for source in cutlass.range_constexpr(hc):
-                    element = (Int64(token) * hc + source) * hidden + column
+                    element = (Int64(first_token) * hc + source) * hidden + column
                     stream_words[trip, source, None].store(ptx.load_u32x4(residual.toint() + element * 2))
         post_mix = cute.make_rmem_tensor(cute.make_layout((hc,)), Float32)
         pre_mix = cute.make_rmem_tensor(cute.make_layout((hc,)), Float32)
         comb_mix = cute.make_rmem_tensor(cute.make_layout((hc, hc), stride=(hc, 1)), Float32)
         for target in cutlass.range_constexpr(hc):
-            mix = Int64(token) * hc + target
+            mix = Int64(first_token) * hc + target
             post_mix[target] = cute.arch.load((post + mix).llvm_ptr, Float32)
             pre_mix[target] = cute.arch.load((pre + mix).llvm_ptr, Float32)
             for source in cutlass.range_constexpr(hc):
                 comb_mix[source, target] = cute.arch.load(
-                    (comb + (Int64(token) * hc + source) * hc + target).llvm_ptr, Float32
+                    (comb + (Int64(first_token) * hc + source) * hc + target).llvm_ptr, Float32
                 )
-
         cute.arch.griddepcontrol_wait()
+        # The next tokens of a looping cluster: one cp.async group each, in token order (the
+        # ``depth - 1`` after the first here, then one per later iteration), token ``i`` of this
+        # cluster in buffer ``i % depth``; ``depth - 1`` groups may still be in flight when one is used.
+        for ahead in cutlass.range_constexpr(1, depth if config.persistent else 1):
+            self.stage_token(
+                ahead, stream_stage, x_stage, mix_stage, residual, post, comb, pre, x, from_x,
+                first_token + ahead * clusters, m, base_fragment, group, leader,
+            )  # fmt: skip
+
         stage, poisoned = protocol.active_stage(stage_state)
-        first_thread = (token == 0) & (cluster_rank == 0) & (tidx == 0)
-        m, _, _ = cute.arch.grid_dim()
         state = stage_state.iterator.toint()
+        if cutlass.const_expr(not config.persistent):
+            self.finish_token(
+                first_token, Int32(0), Int32(0), clusters, m, stream_words, post_mix, pre_mix, comb_mix, gamma_words,
+                x_stage, warp_sums, cluster_sums, residual_out, layer_input, eps, x, from_x, mailbox_base,
+                stage_state, stage, state, poisoned, capacity, spin_limit_ns, error_flag, tidx, cluster_rank, lane,
+                leader, group, base_fragment,
+            )  # fmt: skip
+            return
+        iteration = Int32(0)
+        for token in range(first_token, m, clusters):
+            buffer = iteration % depth
+            if iteration > Int32(0):
+                self.stage_token(
+                    (iteration + depth - 1) % depth, stream_stage, x_stage, mix_stage, residual, post, comb, pre,
+                    x, from_x, token + (depth - 1) * clusters, m, base_fragment, group, leader,
+                )  # fmt: skip
+                cute.arch.cp_async_wait_group(depth - 1)  # this token's copies have landed (this thread's)
+                cute.arch.barrier()  # and every thread's (the mixes)
+                streams = stream_stage + buffer * config.staged_stream_words
+                for trip in cutlass.range_constexpr(trips):
+                    for source in cutlass.range_constexpr(hc):
+                        slot = streams + ((trip * hc + source) * groups + group) * 4
+                        stream_words[trip, source, None].store(ptx.load_shared_u32x4(slot))
+                staged_mixes = mix_stage + buffer * mixes
+                for target in cutlass.range_constexpr(hc):
+                    post_mix[target] = cute.arch.load((staged_mixes + target).llvm_ptr, Float32)
+                    pre_mix[target] = cute.arch.load((staged_mixes + hc + target).llvm_ptr, Float32)
+                    for source in cutlass.range_constexpr(hc):
+                        comb_mix[source, target] = cute.arch.load(
+                            (staged_mixes + 2 * hc + source * hc + target).llvm_ptr, Float32
+                        )
+            poisoned = self.finish_token(
+                token, iteration, buffer, clusters, m, stream_words, post_mix, pre_mix, comb_mix, gamma_words, x_stage,
+                warp_sums, cluster_sums, residual_out, layer_input, eps, x, from_x, mailbox_base, stage_state, stage,
+                state, poisoned, capacity, spin_limit_ns, error_flag, tidx, cluster_rank, lane, leader, group,
+                base_fragment,
+            )  # fmt: skip
+            iteration = iteration + 1
+
+    @cute.jit
+    def finish_token(
+        self, token: Int32, iteration: Int32, buffer: Int32, clusters: Int32, m: Int32, stream_words: cute.Tensor,
+        post_mix: cute.Tensor, pre_mix: cute.Tensor, comb_mix: cute.Tensor, gamma_words: cute.Tensor, x_stage,
+        warp_sums: cute.Pointer, cluster_sums: cute.Pointer, residual_out: cute.Pointer, layer_input: cute.Pointer,
+        eps: Float32, x: cute.Pointer, from_x: Boolean, mailbox_base: Int64, stage_state: cute.Tensor, stage: Uint32,
+        state: Int64,
+        poisoned: Boolean, capacity: Int32, spin_limit_ns: Int64, error_flag: Int64, tidx: Int32, cluster_rank: Int32,
+        lane: Int32, leader: Boolean, group: Int32, base_fragment: Int32,
+    ) -> Boolean:  # fmt: skip
+        """One token from its inputs in registers (streams, mixes; x read directly or staged, or
+        polled): post-mix, stores, collapse, re-arm, the cluster's sum of squares, the normalized
+        layer input. Returns whether the op is poisoned."""
+        config = self.config
+        hc, tp, lanes, hidden, trips, groups = (
+            config.hc, config.tp, config.rank_lanes, config.hidden, config.trips, config.groups_per_cta
+        )  # fmt: skip
+
+        first_thread = (token == 0) & (cluster_rank == 0) & (tidx == 0)
         prenorm_words = cute.make_rmem_tensor(cute.make_layout((trips, 4), stride=(4, 1)), Uint32)
         prenorm_words.fill(Uint32(0))
         total = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
@@ -149,8 +237,17 @@ class LamportMHCKernel(DeviceKernel):
             active = fragment < config.fragments
             if from_x:
                 total.fill(Float32(0.0))
-                if active:
-                    total.store(ptx.words_to_f32x8(protocol.load_x(x, token, Int64(fragment) * VEC_BF16, hidden)))
+                if active & leader:
+                    column = Int64(fragment) * VEC_BF16
+                    if cutlass.const_expr(config.persistent):
+                        if iteration == Int32(0):
+                            total.store(ptx.words_to_f32x8(protocol.load_x(x, token, column, hidden)))
+                        else:
+                            slot = x_stage + buffer * config.staged_x_words + (trip * groups + group) * 4
+                            words = ptx.sanitize_negative_zero(ptx.load_shared_u32x4(slot))
+                            total.store(ptx.words_to_f32x8(words))
+                    else:
+                        total.store(ptx.words_to_f32x8(protocol.load_x(x, token, column, hidden)))
                 if poisoned:
                     total.fill(Float32(float("nan")))  # a direct read's poison (the poll's is its own)
             else:
@@ -184,12 +281,16 @@ class LamportMHCKernel(DeviceKernel):
         # kernel's outputs carry the NaN.
         healthy = (poisoned == Boolean(False)) & (from_x == Boolean(False))
         protocol.advance_stage(stage_state, stage, first_thread & healthy)
-        cute.arch.griddepcontrol_launch_dependents()
+        if cutlass.const_expr(config.persistent):
+            if token + clusters >= m:
+                cute.arch.griddepcontrol_launch_dependents()  # this cluster's last poll is done
+        else:
+            cute.arch.griddepcontrol_launch_dependents()
         for trip in cutlass.range_constexpr(trips):
             fragment = base_fragment + trip * config.fragment_stride
             protocol.rearm_slots(
-                mailbox_base, stage, token, token, fragment, lane, (fragment < config.fragments) & healthy, 1, tp,
-                lanes, capacity, hidden,
+                mailbox_base, stage, token, token, fragment, lane, (fragment < config.fragments) & healthy, 1,
+                tp, lanes, capacity, hidden,
             )  # fmt: skip
 
         squares = cute.make_rmem_tensor(cute.make_layout((1,)), Float32)
@@ -201,11 +302,11 @@ class LamportMHCKernel(DeviceKernel):
                 squares[0] = squares[0] + (values * values).reduce(
                     cute.ReductionOp.ADD, init_val=Float32(0.0), reduction_profile=0
                 )
-        smem = cutlass.memory.SmemAllocator()
-        warp_sums = smem.allocate_array(Float32, config.warps)
-        cluster_sums = smem.allocate_array(Float32, config.cluster_size)
-        reduce.block_to_cluster(squares, 1, warp_sums, cluster_sums, cluster_rank, config.threads, config.cluster_size)
-        sum_squares = reduce.cluster_total(cluster_sums, 0, 1, config.cluster_size)
+        # Each token's peer sums go to its buffer's slots: a peer already on the next token
+        # cannot overwrite what this CTA still reads.
+        sums = cluster_sums + (iteration % 2) * config.cluster_size
+        reduce.block_to_cluster(squares, 1, warp_sums, sums, cluster_rank, config.threads, config.cluster_size)
+        sum_squares = reduce.cluster_total(sums, 0, 1, config.cluster_size)
         inv_rms = cute.math.rsqrt(sum_squares / Float32(hidden) + eps, fastmath=True)
         for trip in cutlass.range_constexpr(trips):
             fragment = base_fragment + trip * config.fragment_stride
@@ -214,3 +315,85 @@ class LamportMHCKernel(DeviceKernel):
                 weight = ptx.words_to_f32x8(gamma_words[trip, None].load())
                 element = Int64(token) * hidden + Int64(fragment) * VEC_BF16
                 ptx.store_u32x4(layer_input.toint() + element * 2, ptx.f32x8_to_words(prenorm * inv_rms * weight))
+        return poisoned
+
+    @cute.jit
+    def stage_token(
+        self,
+        buffer: Int32,
+        stream_stage: cute.Pointer,
+        x_stage: cute.Pointer,
+        mix_stage: cute.Pointer,
+        residual: cute.Pointer,
+        post: cute.Pointer,
+        comb: cute.Pointer,
+        pre: cute.Pointer,
+        x: cute.Pointer,
+        from_x: Boolean,
+        token: Int32,
+        m: Int32,
+        base_fragment: Int32,
+        group: Int32,
+        leader: Boolean,
+    ):
+        """Start copying ``token``'s inputs into staging buffer ``buffer`` and commit them as one
+        group (an empty one past the last token, so that every token has its group)."""
+        config = self.config
+        if token < m:
+            self.stage_inputs(
+                stream_stage + buffer * config.staged_stream_words, mix_stage + buffer * config.staged_mixes,
+                residual, post, comb, pre, token, base_fragment, group, leader,
+            )  # fmt: skip
+            if from_x:
+                self.stage_x(x_stage + buffer * config.staged_x_words, x, token, base_fragment, group, leader)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def stage_inputs(
+        self,
+        streams: cute.Pointer,
+        mixes: cute.Pointer,
+        residual: cute.Pointer,
+        post: cute.Pointer,
+        comb: cute.Pointer,
+        pre: cute.Pointer,
+        token: Int32,
+        base_fragment: Int32,
+        group: Int32,
+        leader: Boolean,
+    ):
+        """Start copying ``token``'s residual fragments (a group leader's own) and its mixes (post,
+        pre, comb: one FP32 per thread and trip, 4-byte copies as their rows are 4-byte aligned)."""
+        config = self.config
+        hc = config.hc
+        if leader:
+            for trip in cutlass.range_constexpr(config.trips):
+                fragment = base_fragment + trip * config.fragment_stride
+                if fragment < config.fragments:
+                    for source in cutlass.range_constexpr(hc):
+                        element = (Int64(token) * hc + source) * config.hidden + Int64(fragment) * VEC_BF16
+                        slot = streams + ((trip * hc + source) * config.groups_per_cta + group) * 4
+                        ptx.copy_async_16(slot, residual.toint() + element * 2)
+        tidx, _, _ = cute.arch.thread_idx()
+        for trip in cutlass.range_constexpr(-(-config.staged_mixes // config.threads)):
+            index = tidx + trip * config.threads
+            if index < Int32(config.staged_mixes):
+                address = comb.toint() + (Int64(token) * (hc * hc) + Int64(index - 2 * hc)) * 4
+                if index < Int32(2 * hc):
+                    address = pre.toint() + (Int64(token) * hc + Int64(index - hc)) * 4
+                if index < Int32(hc):
+                    address = post.toint() + (Int64(token) * hc + Int64(index)) * 4
+                ptx.copy_async_4(mixes + index, address)
+
+    @cute.jit
+    def stage_x(
+        self, staged: cute.Pointer, x: cute.Pointer, token: Int32, base_fragment: Int32, group: Int32, leader: Boolean
+    ):
+        """Start copying ``token``'s fragments of ``x`` (a direct read; after the PDL wait)."""
+        config = self.config
+        if leader:
+            for trip in cutlass.range_constexpr(config.trips):
+                fragment = base_fragment + trip * config.fragment_stride
+                if fragment < config.fragments:
+                    element = Int64(token) * config.hidden + Int64(fragment) * VEC_BF16
+                    ptx.copy_async_16(staged + (trip * config.groups_per_cta + group) * 4, x.toint() + element * 2)

@@ -9,6 +9,7 @@ and the two-phase form keep the publish. Construction is collective over ``group
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, cast
 
 import torch
@@ -23,7 +24,14 @@ from mhc_core.host.validation import check_int, check_positive_float
 from mhc_core.presets import warn_if_untuned
 
 from . import library  # noqa: F401  (registers the mhc::dsv41_* custom ops)
-from .config import COLLECTIVE_KERNEL, DSV41Preset, MHCConfig, default_geometry
+from .config import (
+    COLLECTIVE_KERNEL,
+    PERSISTENT_MIN_TOKENS,
+    DSV41Preset,
+    MHCConfig,
+    default_geometry,
+    resident_clusters,
+)
 
 Outputs = tuple[torch.Tensor, torch.Tensor]
 
@@ -44,6 +52,13 @@ class AllReduceMHC(LamportOp):
             (opt-in; also ``MHC_TRANSPORT``).
         cluster_size, threads, rank_lanes: launch geometry; omitted values follow
             ``mhc_dsv41.config.default_geometry`` (the rule presets use too).
+        persistent_min_tokens: calls with at least this many tokens take the persistent
+            collective (``mhc_dsv41.kernel``), fewer the one-token one; None:
+            ``mhc_dsv41.config.PERSISTENT_MIN_TOKENS``.
+        clusters: the most clusters the persistent collective launches (each loops over tokens).
+            None: as many as the device holds at once (``mhc_dsv41.config.resident_clusters``).
+        staged_tokens: tokens whose inputs the persistent collective has in flight at once
+            (2..4; None: the config's default, what presets use).
         spin_timeout_ms: device-side bound on every poll (off by default; also
             ``MHC_SPIN_TIMEOUT_MS``).
         check_routes: verify MoE route indices on the device (debug mode).
@@ -66,12 +81,20 @@ class AllReduceMHC(LamportOp):
         cluster_size: int | None = None,
         threads: int | None = None,
         rank_lanes: int | None = None,
+        persistent_min_tokens: int | None = None,
+        clusters: int | None = None,
+        staged_tokens: int | None = None,
         publish_threads: int = 128,
         spin_timeout_ms: float | None = None,
         check_routes: bool = False,
         norm_eps: float = 1e-6,
     ) -> None:
         self.hc_mult = check_int("hc_mult", hc_mult, minimum=1, maximum=16)
+        if clusters is not None:
+            check_int("clusters", clusters, minimum=1)
+        if persistent_min_tokens is not None:
+            check_int("persistent_min_tokens", persistent_min_tokens, minimum=1)
+        self.persistent_min_tokens = PERSISTENT_MIN_TOKENS if persistent_min_tokens is None else persistent_min_tokens
         self.norm_eps = check_positive_float("norm_eps", norm_eps)
         check_int("top_k", top_k, minimum=1)
         super().__init__(
@@ -90,9 +113,17 @@ class AllReduceMHC(LamportOp):
         for key, value in (("cluster_size", cluster_size), ("threads", threads), ("rank_lanes", rank_lanes)):
             if value is not None:
                 geometry[key] = check_int(key, value, minimum=1)
+        if staged_tokens is not None:
+            geometry["staged_tokens"] = check_int("staged_tokens", staged_tokens, minimum=2, maximum=4)
         self.config = MHCConfig(hidden=hidden_size, hc=hc_mult, tp=self.tp, **geometry)
+        persistent = dataclasses.replace(self.config, persistent=True)
+        if clusters is None:
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            clusters = resident_clusters(persistent, sms)
+        self.clusters = clusters
         self._build_publishes()
-        self._collective_kernel = self._compile(KernelSpec(COLLECTIVE_KERNEL, self.config))
+        # The one-token collective, then the persistent one (``_collect_launches``' variants).
+        self._collective_kernels = [self._compile(KernelSpec(COLLECTIVE_KERNEL, c)) for c in (self.config, persistent)]
         self._setup()
 
     @classmethod
@@ -163,9 +194,11 @@ class AllReduceMHC(LamportOp):
             # Read only when direct (tp = 1): the collective then reads x instead of the mailbox.
             x=Pointer("x" if direct else "residual"),
             direct=Fixed(int(direct)),
+            clusters=Fixed(self.clusters),
         )
-        kernel = self._collective_kernel
-        return [Launch([kernel.function], kernel.signature, sources)]
+        kernels = self._collective_kernels
+        functions = [kernel.function for kernel in kernels]
+        return [Launch(functions, kernels[0].signature, sources, min_tokens=(1, self.persistent_min_tokens))]
 
     def _allocate(self, like: Any, values: tuple[Any, ...], m: int) -> tuple[torch.Tensor, ...]:
         return torch.empty_like(values[0]), self._hidden_like(like, m)  # values[0]: the residual streams
@@ -176,7 +209,7 @@ class AllReduceMHC(LamportOp):
         mixes = torch.zeros(1, hc, dtype=torch.float32, device=device)
         comb = torch.zeros(1, hc, hc, dtype=torch.float32, device=device)
         weight = torch.ones(hidden, dtype=torch.bfloat16, device=device)
-        return [((residual, mixes, comb, mixes, weight, 1e-6), -1)]
+        return [((residual, mixes, comb, mixes, weight, 1e-6), variant) for variant in range(2)]  # each collective
 
     def _plan_values(self, method: str, *args: Any, **kwargs: Any) -> tuple[object, tuple[Any, ...], Any]:
         out = kwargs.pop("out", None)

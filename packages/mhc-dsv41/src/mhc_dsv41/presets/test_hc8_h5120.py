@@ -49,7 +49,10 @@ GEOMETRY: dict[str, Any] = {
     "fragments": 640,
     "trips": 1,
     "last_trip_fragments": 640,
-    "shared_bytes": 36,
+    "shared_bytes": 56,
+    "persistent_min_tokens": 512,
+    "persistent_grid": "(min(M, clusters), 5, 1)",
+    "persistent_shared_bytes": 33496,
     "publish_grid": "(M, 5, 1)",
     "publish_threads": 128,
 }
@@ -95,7 +98,29 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
         ),
         "collective": (
             "mhc_dsv41.kernel:LamportMHCKernel",
-            {"hidden": 5120, "hc": 8, "tp": 4, "cluster_size": 5, "rank_lanes": 1, "threads": 128},
+            {
+                "hidden": 5120,
+                "hc": 8,
+                "tp": 4,
+                "cluster_size": 5,
+                "rank_lanes": 1,
+                "threads": 128,
+                "staged_tokens": 2,
+                "persistent": False,
+            },
+        ),
+        "collective_persistent": (
+            "mhc_dsv41.kernel:LamportMHCKernel",
+            {
+                "hidden": 5120,
+                "hc": 8,
+                "tp": 4,
+                "cluster_size": 5,
+                "rank_lanes": 1,
+                "threads": 128,
+                "staged_tokens": 2,
+                "persistent": True,
+            },
         ),
     },
 }
