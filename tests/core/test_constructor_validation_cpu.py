@@ -70,6 +70,9 @@ SPECIFIC = {
         ("top_k", 0, ValueError, "top_k: expected >= 1"),
         ("norm_eps", 0.0, ValueError, "norm_eps: expected a finite value > 0"),
         ("norm_eps", "1e-6", TypeError, "norm_eps: expected a float"),
+        ("clusters", 0, ValueError, "clusters: expected >= 1"),
+        ("staged_tokens", 5, ValueError, "staged_tokens: expected <= 4"),
+        ("persistent_min_tokens", 0, ValueError, "persistent_min_tokens: expected >= 1"),
     ],
     "glm5": [
         *PUBLISH_THREADS,

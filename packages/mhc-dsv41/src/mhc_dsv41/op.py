@@ -109,7 +109,7 @@ class AllReduceMHC(LamportOp):
             spin_timeout_ms=spin_timeout_ms,
             check_routes=check_routes,
         )
-        geometry = default_geometry(hidden_size, hc_mult, self.tp)
+        geometry: dict[str, Any] = dict(default_geometry(hidden_size, hc_mult, self.tp))
         for key, value in (("cluster_size", cluster_size), ("threads", threads), ("rank_lanes", rank_lanes)):
             if value is not None:
                 geometry[key] = check_int(key, value, minimum=1)
@@ -117,11 +117,11 @@ class AllReduceMHC(LamportOp):
             geometry["staged_tokens"] = check_int("staged_tokens", staged_tokens, minimum=2, maximum=4)
         self.config = MHCConfig(hidden=hidden_size, hc=hc_mult, tp=self.tp, **geometry)
         persistent = dataclasses.replace(self.config, persistent=True)
+        self._build_publishes()  # every argument checked: from here on the device is touched
         if clusters is None:
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             clusters = resident_clusters(persistent, sms)
         self.clusters = clusters
-        self._build_publishes()
         # The one-token collective, then the persistent one (``_collect_launches``' variants).
         self._collective_kernels = [self._compile(KernelSpec(COLLECTIVE_KERNEL, c)) for c in (self.config, persistent)]
         self._setup()
