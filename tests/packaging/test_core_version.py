@@ -1,4 +1,4 @@
-"""The model packages refuse an mhc-core outside their pin (mhc-dsv41 ``~=0.5.0``, mhc-glm5 ``~=0.5.1``) at import."""
+"""The model packages refuse an mhc-core outside their pin (both ``~=0.5.2``) at import."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def import_with_core(package: str, distribution: str, version: str, tmp_path: Pa
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
 
 
-PINS = [("mhc_dsv41", "mhc-dsv41", "~=0.5.0"), ("mhc_glm5", "mhc-glm5", "~=0.5.1")]
+PINS = [("mhc_dsv41", "mhc-dsv41", "~=0.5.2"), ("mhc_glm5", "mhc-glm5", "~=0.5.2")]
 
 
 @pytest.mark.parametrize(("package", "distribution", "pin"), PINS)
@@ -71,8 +71,8 @@ def test_import_refuses_the_core_without_error_word(package: str, distribution: 
     kernels no TVM-FFI convention or shared direct read (0.4.0); 0.4.x no native call path or
     kernels named by spec (0.5.0)."""
     pin = dict((name, pin) for name, _, pin in PINS)[package]
-    # mhc-glm5 0.8.1 also refuses 0.5.0 (its boundary launch marks the side stream's fork, 0.5.1).
-    for old in ("0.2.2", "0.3.5", "0.4.0", *(("0.5.0",) if pin == "~=0.5.1" else ())):
+    # Both also refuse 0.5.0 and 0.5.1: the fork point (0.5.1) and the SM constants (0.5.2).
+    for old in ("0.2.2", "0.3.5", "0.4.0", "0.5.0", "0.5.1"):
         result = import_with_core(package, distribution, old, tmp_path)
         assert result.returncode != 0
         assert f"{package} needs mhc-core {pin}, but mhc-core {old} is installed" in result.stderr

@@ -15,6 +15,12 @@ from .constants import SUPPORTED_ARCHS, VEC_BF16
 SUPPORTED_TP = (1, 2, 4, 8)
 #: Largest dynamic shared memory a CTA may opt into on sm_90 / sm_100 (227 KiB).
 MAX_SHARED_BYTES = 232448
+#: One SM of sm_90 / sm_100: shared memory (228 KiB; each resident CTA also reserves
+#: ``CTA_RESERVED_SHARED_BYTES``), registers and threads (what occupancy estimates count with).
+SM_SHARED_BYTES = 233472
+CTA_RESERVED_SHARED_BYTES = 1024
+SM_REGISTERS = 65536
+SM_THREADS = 2048
 MAX_CLUSTER_SIZE = 8
 
 

@@ -14,7 +14,7 @@ from mhc_core.compat import check_core_version, model_attribute
 
 __version__ = "0.5.0"
 #: The mhc-core releases this package works with (compatible-release pin).
-CORE_REQUIREMENT = "~=0.5.0"
+CORE_REQUIREMENT = "~=0.5.2"
 
 check_core_version(CORE_REQUIREMENT, __name__)
 

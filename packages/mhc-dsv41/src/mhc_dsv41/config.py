@@ -22,8 +22,12 @@ from typing import Any
 
 from mhc_core.constants import VEC_BF16, WARP_SIZE
 from mhc_core.presets import (
+    CTA_RESERVED_SHARED_BYTES,
     MAX_CLUSTER_SIZE,
     MAX_SHARED_BYTES,
+    SM_REGISTERS,
+    SM_SHARED_BYTES,
+    SM_THREADS,
     require,
     require_archs,
     require_hidden,
@@ -56,26 +60,23 @@ def default_geometry(hidden: int, hc: int, tp: int) -> dict[str, int]:
     return {"cluster_size": cluster_size, "threads": DEFAULT_THREADS, "rank_lanes": DEFAULT_RANK_LANES}
 
 
-#: Calls with at least this many tokens take the persistent collective (between the tenth run's
-#: M = 256, where the one-token collective is 7 % faster, and M = 1024, where it is 10 % slower).
+#: Calls with at least this many tokens take the persistent collective (BENCHMARKS.md, eleventh
+#: run: the one-token collective 6 % faster at M = 256, the persistent one 3 % faster at 384 and 12 %
+#: at 512, one run; 512 until alternating runs place the crossover).
 PERSISTENT_MIN_TOKENS = 512
 #: Registers per thread the collective stays within (a CPU test compiles every preset's and checks):
 #: what the default number of persistent clusters assumes.
 COLLECTIVE_REGISTERS = 160
-#: An SM's registers, threads and shared memory (sm_90 / sm_100).
-SM_REGISTERS = 65536
-SM_THREADS = 2048
-SM_SHARED_BYTES = 233472
 
 
 def resident_clusters(geometry: CollectiveGeometry, sms: int) -> int:
     """How many of the collective's clusters ``sms`` SMs hold at once (registers at
-    ``COLLECTIVE_REGISTERS``, threads, shared memory with 1 KiB reserved per CTA): the grid beyond
+    ``COLLECTIVE_REGISTERS``, threads, shared memory with its per-CTA reserve): the grid beyond
     which a cluster loops over tokens."""
     per_sm = min(
         SM_THREADS // geometry.threads,
         SM_REGISTERS // (geometry.threads * COLLECTIVE_REGISTERS),
-        SM_SHARED_BYTES // (geometry.shared_bytes + 1024),
+        SM_SHARED_BYTES // (geometry.shared_bytes + CTA_RESERVED_SHARED_BYTES),
     )
     return max(1, sms * max(1, per_sm) // geometry.cluster_size)
 

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from mhc_core.compat import check_core_version, model_attribute
 
-__version__ = "0.8.1"
+__version__ = "0.8.2"
 #: The mhc-core releases this package works with (compatible-release pin).
-CORE_REQUIREMENT = "~=0.5.1"
+CORE_REQUIREMENT = "~=0.5.2"
 
 check_core_version(CORE_REQUIREMENT, __name__)
 

@@ -26,6 +26,7 @@ from mhc_core.constants import VEC_BF16, WARP_SIZE
 from mhc_core.presets import (
     MAX_CLUSTER_SIZE,
     MAX_SHARED_BYTES,
+    SM_SHARED_BYTES,
     PresetError,
     require,
     require_archs,
@@ -86,8 +87,6 @@ def boundary_threads(hidden: int, cluster_size: int) -> int:
     return hidden // VEC_BF16 // cluster_size * HC
 
 
-#: Shared memory of one SM on sm_90 / sm_100 (228 KiB; each resident CTA also reserves 1 KiB).
-SM_SHARED_BYTES = 233472
 #: A CTA that asks for at least this much runs alone on its SM.
 ALONE_ON_SM_BYTES = SM_SHARED_BYTES // 2
 
