@@ -1,7 +1,7 @@
 """Run the benchmarks and print their tables (``nox -s bench`` wraps this).
 
-    python3 -m benchmarks.run [--suite core dsv41 dsv41-geometry glm5 glm5-thresholds glm5-breakdown glm5-overlap
-                               spin-bound host] [--out DIR]
+    python3 -m benchmarks.run [--suite core dsv41 dsv41-geometry glm5 glm5-thresholds glm5-persistent
+                               glm5-breakdown glm5-overlap spin-bound host] [--out DIR]
     python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m benchmarks.run   # real tp 2
 
 Under torchrun the suites run over a real NCCL group (unicast Lamport; NVLink
@@ -49,6 +49,7 @@ RUNNERS: dict[str, Callable[[suites.Context, list[int]], list[suites.Record]]] =
     "glm5-thresholds": lambda ctx, ms: suites.glm5_thresholds(ctx, list(THRESHOLD_M)),
     "dsv41-geometry": suites.dsv41_geometry,
     "glm5-breakdown": suites.glm5_breakdown,
+    "glm5-persistent": suites.glm5_persistent,
     "glm5-overlap": lambda ctx, ms: overlap.glm5_overlap(ctx, [m for m in ms if m <= SMALL_M]),
     "spin-bound": lambda ctx, ms: suites.spin_bound(ctx, [m for m in ms if m <= SMALL_M]),
     "host": lambda ctx, ms: suites.host_overhead(ctx, [1]),

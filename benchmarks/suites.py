@@ -231,30 +231,72 @@ def glm5_suite(ctx: Context, ms: list[int], hidden: int = 4096) -> list[Record]:
     return records
 
 
-def glm5_thresholds(ctx: Context, ms: list[int], hidden: int = 4096, sizes=(1, 2, 4, 8, 16)) -> list[Record]:
-    """Every tokens-per-cluster size at every M, to choose ``cluster_tokens``."""
-    from mhc_glm5 import AllReduceMhcBoundary, presets
+#: The persistent boundary among ``glm5-thresholds``' sizes.
+PERSISTENT = "persistent"
+
+
+def glm5_thresholds(
+    ctx: Context, ms: list[int], hidden: int = 4096, sizes=(1, 2, 4, 8, 16, PERSISTENT)
+) -> list[Record]:
+    """Every tokens-per-cluster size and the persistent boundary at every M, to choose
+    ``cluster_tokens`` and ``persistent_min_tokens``."""
+    from mhc_glm5 import presets
 
     preset = presets.get(f"h200-tp{ctx.tp}-h{hidden}").PRESET
     records = []
     for tokens in sizes:
-        thresholds = ((1, tokens),) if tokens > 1 else ()
-        op = AllReduceMhcBoundary.from_config(
-            dataclasses.replace(preset, cluster_tokens=thresholds),
-            max_num_tokens=max(ms),
-            device="cuda",
-            group=ctx.group,
-        )
-        for m in ms:
-            x, args = bf16(m, hidden), glm5_inputs(m, hidden)
+        if tokens == PERSISTENT:
+            op = _glm5_op(ctx, preset, max(ms), cluster_tokens=(), persistent_min_tokens=1)
+            label = f"persistent ({op.clusters} clusters)"
+        else:
+            thresholds = ((1, tokens),) if tokens > 1 else ()
+            op = _glm5_op(ctx, preset, max(ms), cluster_tokens=thresholds, persistent_min_tokens=0)
+            label = f"x{tokens}"
+        records += _time_glm5_variant(ctx, "glm5-thresholds", op, label, ms, hidden)
+        op.close()
+    return records
 
-            def fused(op=op, x=x, args=args):
-                outputs = op(x, *args)
-                op.join()
-                return outputs
 
-            floor = glm5_bytes(m, hidden) / ctx.bandwidth
-            records.append(Record("glm5-thresholds", ctx.tp, m, f"x{tokens}", ctx.time(fused), floor))
+#: ``glm5-persistent``'s cluster counts (None: ``mhc_glm5.config.persistent_clusters``, one per SM).
+PERSISTENT_CLUSTERS = (None, 15, 14, 12, 8)
+
+
+def glm5_persistent(ctx: Context, ms: list[int], hidden: int = 4096) -> list[Record]:
+    """Issue #20: the persistent GLM boundary at every M against the 16-token kernel, by cluster
+    count (fewer clusters leave SMs to the side-stream mixes kernel and loop more)."""
+    from mhc_glm5 import presets
+
+    preset = presets.get(f"h200-tp{ctx.tp}-h{hidden}").PRESET
+    op = _glm5_op(ctx, preset, max(ms), cluster_tokens=((1, 16),), persistent_min_tokens=0)
+    records = _time_glm5_variant(ctx, "glm5-persistent", op, "x16", ms, hidden)
+    op.close()
+    for clusters in PERSISTENT_CLUSTERS:
+        op = _glm5_op(ctx, preset, max(ms), cluster_tokens=(), persistent_min_tokens=1, clusters=clusters)
+        records += _time_glm5_variant(ctx, "glm5-persistent", op, f"persistent, {op.clusters} clusters", ms, hidden)
+        op.close()
+    return records
+
+
+def _glm5_op(ctx: Context, preset, capacity: int, *, cluster_tokens, **options):
+    from mhc_glm5 import AllReduceMhcBoundary
+
+    config = dataclasses.replace(preset, cluster_tokens=cluster_tokens, persistent_min_tokens=0)
+    return AllReduceMhcBoundary.from_config(config, max_num_tokens=capacity, device="cuda", group=ctx.group, **options)
+
+
+def _time_glm5_variant(ctx: Context, suite: str, op, label: str, ms: list[int], hidden: int) -> list[Record]:
+    """The fused call (mixes joined) of one op at every M."""
+    records = []
+    for m in ms:
+        x, args = bf16(m, hidden), glm5_inputs(m, hidden)
+
+        def fused(op=op, x=x, args=args):
+            outputs = op(x, *args)
+            op.join()
+            return outputs
+
+        floor = glm5_bytes(m, hidden) / ctx.bandwidth
+        records.append(Record(suite, ctx.tp, m, label, ctx.time(fused), floor))
     return records
 
 
@@ -269,12 +311,13 @@ def glm5_breakdown(ctx: Context, ms: list[int], hidden: int = 4096) -> list[Reco
     for m in ms:
         x, args = bf16(m, hidden), glm5_inputs(m, hidden)
         tokens = op.tokens_per_cluster(m)
+        kernel = "persistent" if op.persistent(m) else f"x{tokens}"
 
         def call(op=op, x=x, args=args):
             op(x, *args)
             op.join()
 
-        boundary = boundary_alone(op, tokens)
+        boundary = boundary_alone(op, m)
 
         def publish_boundary(op=op, x=x, args=args, m=m, boundary=boundary):
             residual, post, comb, fn, scale, base, weight = args
@@ -287,19 +330,19 @@ def glm5_breakdown(ctx: Context, ms: list[int], hidden: int = 4096) -> list[Reco
             )  # fmt: skip
 
         floor = glm5_bytes(m, hidden) / ctx.bandwidth
-        records.append(Record("glm5-breakdown", ctx.tp, m, f"call + join (x{tokens})", ctx.time(call), floor))
+        records.append(Record("glm5-breakdown", ctx.tp, m, f"call + join ({kernel})", ctx.time(call), floor))
         records.append(Record("glm5-breakdown", ctx.tp, m, "publish + boundary", ctx.time(publish_boundary), floor))
     return records
 
 
-def boundary_alone(op, tokens: int):
-    """One of the op's boundary kernels launched by itself (with the op's buffers), no mixes."""
+def boundary_alone(op, m: int):
+    """The op's boundary kernel for M tokens launched by itself (with the op's buffers), no mixes."""
     from mhc_core.host.launch import BoundKernel
 
-    kernel = op._boundary_kernels[tokens]
+    kernel = op._boundary_kernels[op._variant_name(m)]
     fixed = dict(
         mailbox=op.mailbox.buffer, stage_state=op.mailbox.stage_state, capacity=op.capacity,
-        spin_limit_ns=op.spin.limit_ns, error_flag=op.spin.address, arrivals=op._arrivals,
+        spin_limit_ns=op.spin.limit_ns, error_flag=op.spin.address, arrivals=op._arrivals, clusters=op.clusters,
     )  # fmt: skip
     return BoundKernel(kernel.function, kernel.signature, fixed, op.device)
 

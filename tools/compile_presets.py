@@ -89,6 +89,8 @@ def dynamic_shared(model: str, kernel: str, geometry: dict[str, Any]) -> int | N
         return geometry["persistent_shared_bytes"]
     if model == "glm5" and kernel == "boundary":
         return geometry["shared_bytes"]
+    if model == "glm5" and kernel == "boundary_persistent":
+        return geometry["persistent_shared_bytes"]
     if model == "glm5" and kernel.startswith("boundary_x"):
         return geometry["grouped_shared_bytes"].get(int(kernel.removeprefix("boundary_x")))
     return None

@@ -25,7 +25,7 @@ DSV_KEYS = (
 )
 GLM_KEYS = (
     "hidden, hc, tp, top_k, cluster_size, cluster_tokens, rms_eps, hc_eps, post_mult, sinkhorn_repeat, "
-    "norm_eps, archs, publish_threads, mixes_threads, tuned, description"
+    "norm_eps, archs, publish_threads, mixes_threads, persistent_min_tokens, tuned, description"
 )
 
 # (preset, changed keys, message after "presets.toml: [preset] ")
@@ -131,6 +131,16 @@ CASES: dict[str, tuple[str, dict[str, Any], str]] = {
         {"cluster_tokens": [[0, 4]]},
         "key 'cluster_tokens': min_tokens must be >= 1; got (0, 4)",
     ),
+    "glm-persistent-negative": (
+        GLM,
+        {"persistent_min_tokens": -1},
+        "key 'persistent_min_tokens': must be >= 0; got -1",
+    ),
+    "glm-persistent-below-thresholds": (
+        GLM,
+        {"persistent_min_tokens": 64},
+        "key 'persistent_min_tokens': must be above every cluster_tokens threshold (the last is 128), or 0; got 64",
+    ),
     "glm-archs-unknown": (GLM, {"archs": ["sm_89"]}, f"key 'archs': must be among {ARCHS}; got ('sm_89',)"),
     "glm-archs-repeated": (
         GLM,
@@ -227,6 +237,20 @@ def test_one_token_shared_memory_rule(workdir: Path, capsys: pytest.CaptureFixtu
     assert run_bad(workdir, document, capsys) == [
         f"error: presets.toml: [{GLM}] key 'cluster_size': the one-token kernel stages its fn slice in shared "
         f"memory: {boundary_shared_bytes(10240, 8)} bytes, more than 232448 (raise cluster_size); got 8"
+    ]
+
+
+def test_persistent_shared_memory_rule(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The persistent boundary double-buffers its groups beside the staged fn: hidden 8192 on 8
+    CTAs is too much for it (the one-token and 2-token kernels still fit)."""
+    from mhc_glm5.config import persistent_shared_bytes
+
+    document = repo_presets()
+    apply(document, GLM, {"hidden": 8192, "cluster_tokens": [[16, 2]]})
+    assert run_bad(workdir, document, capsys) == [
+        f"error: presets.toml: [{GLM}] key 'persistent_min_tokens': the persistent boundary does not fit: its "
+        f"double-buffered groups need {persistent_shared_bytes(8192, 8)} bytes of shared memory, more than "
+        "232448; use 0; got 256"
     ]
 
 

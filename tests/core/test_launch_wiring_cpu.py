@@ -253,7 +253,7 @@ def test_dsv_moe_weights_dtype_is_checked_by_name() -> None:
     assert kernels.calls == []
 
 
-def glm_op(tp: int, cluster_tokens=((4, 2),)):
+def glm_op(tp: int, cluster_tokens=((4, 2),), persistent_min_tokens: int = 0):
     from mhc_glm5 import AllReduceMhcBoundary
     from mhc_glm5.boundary import BoundaryConfig, BoundaryKernel
     from mhc_glm5.mixes import MixesConfig, MixesKernel
@@ -266,16 +266,21 @@ def glm_op(tp: int, cluster_tokens=((4, 2),)):
     side = SimpleNamespace(handle=4321, fork_handle=0, launched_with=[], idle=True)
     side.native_events = lambda stream, capture: (0, 0)
     side.launched = lambda capture, tensors: side.launched_with.append(tuple(tensors))
+    names = ["boundary", *(f"boundary_x{tokens}" for _, tokens in cluster_tokens)]
+    names += ["boundary_persistent"] if persistent_min_tokens else []
     op.__dict__.update(
-        cluster_tokens=tuple(cluster_tokens),
-        _boundary_kernels={1: kernels.compiled("boundary_x1", boundary)}
-        | {tokens: kernels.compiled(f"boundary_x{tokens}", boundary) for _, tokens in cluster_tokens},
+        cluster_tokens=tuple(cluster_tokens), persistent_min_tokens=persistent_min_tokens, clusters=CLUSTERS,
+        _boundary_kernels={name: kernels.compiled(name, boundary) for name in names},
         _mixes_kernel=kernels.compiled("mixes", MixesKernel(MixesConfig.__new__(MixesConfig))),
         _mixes_handoff=torch.zeros(CAPACITY, 24), _raw_mixes=torch.zeros(CAPACITY, 24),
         _arrivals=torch.zeros(1, dtype=torch.int32), _side_work=side,
     )  # fmt: skip
     op._programs = op._build_programs()
     return op, kernels, side
+
+
+#: The persistent boundary's cluster count in these ops.
+CLUSTERS = 3
 
 
 def glm_args(m: int = M):
@@ -292,7 +297,7 @@ def test_glm_call_picks_its_boundary_and_launches_the_mixes_on_the_side_stream(m
     x = torch.randn(m, HIDDEN).to(torch.bfloat16)
     args = glm_args(m)
     residual_out, post_out, comb_out, layer_input = op(x, *args)
-    expected = "boundary_x2" if m >= 4 else "boundary_x1"
+    expected = "boundary_x2" if m >= 4 else "boundary"
     assert kernels.names() == [expected, "mixes"]
     boundary, mixes = kernels.calls[0][1], kernels.calls[1][1]
     assert boundary["direct"] == 1 and boundary["x"] == address(x) and boundary["prefetch"] == 0
@@ -317,7 +322,7 @@ def test_glm_side_stream_forks_before_the_boundary(tp: int) -> None:
     for program in (programs.call, programs.collect, *programs.call_moe.values()):
         is_mixes = [launch.signature is op._mixes_kernel.signature for launch in program.launches]
         boundary = next(i for i, launch in enumerate(program.launches) if launch.forks_side)
-        assert program.launches[boundary].functions[0] is op._boundary_kernels[1].function
+        assert program.launches[boundary].functions[0] is op._boundary_kernels["boundary"].function
         assert is_mixes.index(True) == boundary + 1
 
 
@@ -332,13 +337,25 @@ def test_a_program_forks_its_side_stream_once_before_the_side_launch() -> None:
             Program(program.rules, program.outputs, launches, CPU, CAPACITY)
 
 
+@pytest.mark.parametrize("m", [5, 6, 8])
+def test_glm_call_takes_the_persistent_boundary_from_its_threshold(m: int) -> None:
+    """From ``persistent_min_tokens`` the persistent boundary serves the call, with the op's
+    cluster count (the kernel launches min(groups, clusters) clusters)."""
+    op, kernels, _ = glm_op(1, persistent_min_tokens=6)
+    op(torch.randn(m, HIDDEN).to(torch.bfloat16), *glm_args(m))
+    assert kernels.names() == ["boundary_persistent" if m >= 6 else "boundary_x2", "mixes"]
+    assert kernels.calls[0][1]["clusters"] == CLUSTERS and kernels.calls[0][1]["m"] == m
+    assert op.persistent(m) == (m >= 6) and (m < 6 or op.tokens_per_cluster(m) == 8)
+
+
 def test_glm_warmup_launches_every_boundary_kernel() -> None:
-    op, kernels, _ = glm_op(2, cluster_tokens=((4, 2), (6, 8)))
+    op, kernels, _ = glm_op(2, cluster_tokens=((4, 2), (6, 8)), persistent_min_tokens=7)
     for plan in op.warmup_rounds():
         plan.publish()
         plan.collect(True)
     launched = {name for name in kernels.names()}
-    assert {"boundary_x1", "boundary_x2", "boundary_x8", "mixes", "publish", "finalize"} <= launched
+    expected = {"boundary", "boundary_x2", "boundary_x8", "boundary_persistent", "mixes", "publish", "finalize"}
+    assert expected <= launched
 
 
 def test_glm_rejects_a_bad_fn_before_any_launch() -> None:

@@ -1,7 +1,8 @@
 """AllReduceMhcBoundary on the GPU: every GLM preset at its tp (tp 1 and loopback 2, 4, 8), all
 four outputs against the reference, plain and MoE input, -0 inputs, bitwise-identical ranks, the
-grouped kernels (every tokens-per-cluster size, short last groups), join(), chained boundaries
-and CUDA-graph replays."""
+grouped kernels (every tokens-per-cluster size, short last groups), the persistent boundary (few
+clusters looping over many groups; bitwise the 8-token kernel's outputs), join(), chained
+boundaries and CUDA-graph replays."""
 
 from __future__ import annotations
 
@@ -45,6 +46,26 @@ def ops_for(name: str) -> list:
         preset.tp,
         lambda group: AllReduceMhcBoundary.from_config(preset, max_num_tokens=CAPACITY, device="cuda", group=group),
     )
+
+
+#: Clusters of the persistent boundary under test: few, so that each loops over many groups of 8
+#: (up to 43 at CAPACITY) and both staging buffers are reused many times.
+LOOPING_CLUSTERS = 3
+
+
+def persistent_ops_for(name: str) -> list:
+    """The preset's ops with the persistent boundary at every M and ``LOOPING_CLUSTERS`` clusters."""
+    from mhc_glm5 import AllReduceMhcBoundary, presets
+
+    preset = presets.get(name).PRESET
+    return cached_ranks(
+        ("glm5-persistent", name, CAPACITY),
+        preset.tp,
+        lambda group: AllReduceMhcBoundary.from_config(
+            preset, max_num_tokens=CAPACITY, device="cuda", group=group, persistent_min_tokens=1,
+            clusters=LOOPING_CLUSTERS,
+        ),
+    )  # fmt: skip
 
 
 def all_reduce_ops(tp: int, hidden: int, top_k: int) -> list:
@@ -130,6 +151,47 @@ def test_every_tokens_per_cluster_with_short_last_group(name: str) -> None:
         run_and_check(ops, m, generator, negative_zero=True)
 
 
+@pytest.mark.parametrize("name", preset_names())
+def test_persistent_boundary_against_reference(name: str) -> None:
+    """The persistent boundary at every M (3 clusters looping; short last groups; -0 inputs),
+    plain calls (the direct read at tp = 1) and MoE input (the mailbox path)."""
+    ops = persistent_ops_for(name)
+    assert all(op.persistent(1) for op in ops)
+    generator = torch.Generator("cuda").manual_seed(sum(map(ord, name)) + 1)
+    for index, m in enumerate((1, 8 * LOOPING_CLUSTERS + 1, 8 * 2 * LOOPING_CLUSTERS + 7, CAPACITY)):
+        run_and_check(ops, m, generator, negative_zero=index == 1)
+    run_and_check(ops, 8 * 2 * LOOPING_CLUSTERS + 1, generator, moe_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("tp", (1, 4))
+def test_persistent_boundary_is_the_8_token_kernel_looped(tp: int) -> None:
+    """Per token the persistent boundary runs the 8-token tensor-core kernel's arithmetic in the same
+    order: every output bitwise equal to that kernel's, raw mixes included."""
+    from mhc_glm5 import presets
+
+    preset = presets.get(f"h200-tp{tp}-h4096").PRESET
+    eight = _ops_with_tokens(preset, 8, capacity=CAPACITY)
+    persistent = persistent_ops_for(preset.name)
+    generator = torch.Generator("cuda").manual_seed(41 + tp)
+    m = 8 * 5 * LOOPING_CLUSTERS + 3
+    partials = [bf16_randn(m, preset.hidden, generator=generator) for _ in range(tp)]
+    partials[0][1, :8] = -0.0
+    args = boundary_inputs(m, preset.hidden, generator, negative_zero=True)
+    results = []
+    for ops in (eight, persistent):
+        assert ops[0].tokens_per_cluster(m) == 8 and ops[0].persistent(m) == (ops is persistent)
+        outputs = run_ranks(ops, "call", [(x, *args.values()) for x in partials])
+        for op in ops:
+            op.join()
+        torch.cuda.synchronize()
+        results.append((outputs, ops[0].raw_mixes[:m].clone()))
+    (eight_outputs, eight_raw), (persistent_outputs, persistent_raw) = results
+    for rank, (a, b) in enumerate(zip(eight_outputs, persistent_outputs, strict=True)):
+        for name, x, y in zip(("residual_out", "post_out", "comb_out", "layer_input"), a, b, strict=True):
+            assert_bitwise_equal(x, y, f"rank {rank}: {name}")
+    assert_bitwise_equal(eight_raw, persistent_raw, "raw_mixes")
+
+
 @pytest.mark.parametrize("weight_dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
 @pytest.mark.parametrize("name", ["h200-tp1-h4096", "h200-tp2-h4096", "h200-tp4-h4096", "h200-tp8-h4096"])
 def test_moe_input(name: str, weight_dtype: torch.dtype) -> None:
@@ -178,24 +240,26 @@ def test_single_and_grouped_kernels_agree(tp: int) -> None:
         assert_within(raw, single_raw, tolerance, f"{tokens} tokens per cluster: raw mixes")
 
 
-def _ops_with_tokens(preset, tokens: int) -> list:
-    """Ops of ``preset`` (loopback ranks above tp 1) whose thresholds send every M to ``tokens``."""
+def _ops_with_tokens(preset, tokens: int, capacity: int = 16) -> list:
+    """Ops of ``preset`` (loopback ranks above tp 1) whose thresholds send every M to ``tokens``
+    (the persistent boundary off)."""
     from mhc_glm5 import AllReduceMhcBoundary
 
     thresholds = ((1, tokens),) if tokens > 1 else ()
-    single = dataclasses.replace(preset, cluster_tokens=thresholds)
+    single = dataclasses.replace(preset, cluster_tokens=thresholds, persistent_min_tokens=0)
     return cached_ranks(
-        ("glm5-tokens", preset.name, tokens),
+        ("glm5-tokens", preset.name, tokens, capacity),
         preset.tp,
-        lambda group: AllReduceMhcBoundary.from_config(single, max_num_tokens=16, device="cuda", group=group),
+        lambda group: AllReduceMhcBoundary.from_config(single, max_num_tokens=capacity, device="cuda", group=group),
     )
 
 
-@pytest.mark.parametrize("m", (1, 20, 40, 200))
+@pytest.mark.parametrize("m", (1, 20, 40, 200, 300))
 def test_tp1_reads_x_without_a_publish(m: int) -> None:
     """At tp 1 a plain call launches no publish: the stage state does not move and the mailbox
     stays empty (-0). Its outputs are bitwise those of the mailbox path (publish + collect) on
-    the same inputs, -0 in x included. M = 1, 20, 40, 200: the x1, x2, x8 and x16 kernels."""
+    the same inputs, -0 in x included. M = 1, 20, 40, 200, 300: the x1, x2, x8, x16 and persistent
+    kernels."""
     op = ops_for("h200-tp1-h4096")[0]
     generator = torch.Generator("cuda").manual_seed(29 + m)
     args = boundary_inputs(m, op.hidden_size, generator, negative_zero=True)

@@ -12,16 +12,19 @@ MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 BULK_COPY = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
 
 
-def boundary(arch: str, tokens: int, tp: int = 1, hidden: int = 4096):
-    """The kernel an op serving ``tokens`` per cluster compiles (``config.grouped_kernel_path``)."""
+def boundary(arch: str, tokens: int, tp: int = 1, hidden: int = 4096, persistent: bool = False):
+    """The kernel an op serving ``tokens`` per cluster compiles (``config.grouped_kernel_path``), or
+    its persistent boundary."""
     from mhc_core.host.compiler import kernel_from_spec
-    from mhc_glm5.config import grouped_kernel_path
+    from mhc_glm5.config import MMA_KERNEL, grouped_kernel_path
 
     config = {
         "hidden": hidden, "tp": tp, "cluster_size": 8, "rms_eps": 1e-6, "hc_eps": 1e-6, "norm_eps": 1e-5,
-        "mixed_fma": arch != "sm_90a", "tokens": tokens,
+        "mixed_fma": arch != "sm_90a", "tokens": tokens, "persistent": persistent,
     }  # fmt: skip
     path = "mhc_glm5.boundary:BoundaryKernel" if tokens == 1 else grouped_kernel_path(tokens)
+    if persistent:
+        path = MMA_KERNEL
     return kernel_from_spec(path, config)
 
 
@@ -52,9 +55,10 @@ def check_protocol(ptx: str, polls: int = 1) -> None:
 
 
 def test_one_device_entry_follows_the_signature() -> None:
-    """The three boundary kernels share one device entry: it takes ``boundary_signature``'s
-    parameters in order (the launch adds the stream) and hands them to each class's ``body`` as
-    ``BoundaryArgs``, built positionally, so the names must line up."""
+    """The boundary kernels share one device entry: it takes ``boundary_signature``'s parameters in
+    order (but the launch's own: the stream, and ``clusters``, which sizes the persistent grid) and
+    hands them to each class's ``body`` as ``BoundaryArgs``, built positionally, so the names must
+    line up."""
     import inspect
 
     from mhc_glm5.boundary import BoundaryArgs, BoundaryKernel, boundary_signature
@@ -63,8 +67,9 @@ def test_one_device_entry_follows_the_signature() -> None:
 
     names = [param.name for param in boundary_signature()]
     assert list(inspect.signature(BoundaryKernel.__call__).parameters)[1:] == names
-    assert names[-1] == "stream"
-    assert list(inspect.signature(BoundaryKernel.kernel).parameters)[1:] == names[:-1] == list(BoundaryArgs._fields)
+    assert names[-3:] == ["clusters", "m", "stream"], "clusters and the stream: the launch's alone"
+    device = [name for name in names if name not in ("clusters", "stream")]
+    assert list(inspect.signature(BoundaryKernel.kernel).parameters)[1:] == device == list(BoundaryArgs._fields)
     kinds = (BoundaryKernel, GroupBoundaryKernel, MmaGroupBoundaryKernel)
     assert all(kind.kernel is BoundaryKernel.kernel for kind in kinds)
     assert len({kind.body for kind in kinds}) == 3
@@ -106,6 +111,47 @@ def test_tensor_core_boundary(arch: str, tokens: int, tp: int) -> None:
     assert count(ptx, MMA) == 4 * 3 * 2
     assert count(ptx, "cp.async.cg.shared.global") == 0
     assert count(ptx, "cp.async.ca.shared.global") >= 1 and count(ptx, "cp.async.wait_group") == 1
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tp", (1, 8))
+def test_persistent_boundary(arch: str, tp: int) -> None:
+    """The tensor-core kernel looping over groups of 8: fn staged once, each group's streams by
+    bulk copies into one of two buffers (the first group's in the prologue, the next ones' in the
+    loop) on a barrier per buffer waited on by parity, post / comb by 4-byte copies one group
+    ahead, the buffers' generic accesses fenced from the next bulk copies; one poll and one MMA
+    loop, the PDL trigger once (in the cluster's last group), the stage moved on once."""
+    import re
+
+    ptx = compiled(boundary(arch, 8, tp, persistent=True), arch)
+    check_protocol(ptx)
+    assert count(ptx, BULK_COPY) == 3, "fn, the first group's streams, the next group's"
+    assert count(ptx, "mbarrier.init.shared") == 3 and count(ptx, "expect_tx") == 3
+    assert count(ptx, "mbarrier.try_wait.parity") == 2, "this group's streams, fn"
+    assert count(ptx, MMA) == 4 * 3 * 2
+    assert count(ptx, "cp.async.wait_group \t1;") == 1 and count(ptx, "cp.async.commit_group") == 3
+    assert count(ptx, "fence.proxy.async.shared::cta") == 1
+    assert re.search(r"mov\.u32\s+%r\d+, %nctaid\.x;", ptx), "the loop's stride: the grid"
+
+
+def test_persistent_boundary_geometry() -> None:
+    """Two buffers of 8 tokens' streams and mix inputs beside fn; the op launches min(groups,
+    clusters) clusters; only groups of 8 loop."""
+    import dataclasses
+
+    from mhc_glm5.config import MAX_SHARED_BYTES, SM_SHARED_BYTES, persistent_clusters, persistent_shared_bytes
+    from mhc_glm5.grouped_mma import MmaGroupBoundaryKernel
+
+    kernel = boundary("sm_90a", 8, persistent=True)
+    fn = 96 * (64 * 16 + 16) + 8 + 128
+    staged = 2 * (8 + 8 * 4 * (64 * 16 + 16))
+    reductions = 8 * (2 * 20 + (16 + 8 + 1) * 25 + 16 + 8) * 4
+    assert kernel.shared_bytes() == persistent_shared_bytes(4096, 8) == fn + staged + reductions <= MAX_SHARED_BYTES
+    assert 2 * kernel.shared_bytes() > SM_SHARED_BYTES, "one CTA per SM: persistent_clusters counts so"
+    assert persistent_clusters(132, 8) == 16 and persistent_clusters(4, 8) == 1
+    sixteen = dataclasses.replace(boundary("sm_90a", 16).config, persistent=True)
+    with pytest.raises(ValueError, match="tokens: the persistent boundary loops over groups of 8, got 16"):
+        MmaGroupBoundaryKernel(sixteen)
 
 
 def test_tensor_core_boundary_geometry() -> None:

@@ -36,8 +36,8 @@ The CTA's ``fn`` slice is staged in shared memory by bulk copies (``mhc_glm5.fn_
 and the residual streams, the weight, post and comb are loaded, before the PDL wait
 when the kernel right before is the publish (``prefetch``).
 
-The three boundary kernels (this one, ``mhc_glm5.grouped``, ``mhc_glm5.grouped_mma``) share one
-device entry, ``BoundaryKernel.kernel`` (one parameter list: ``boundary_signature``), and their
+The boundary kernels (this one, ``mhc_glm5.grouped``, ``mhc_glm5.grouped_mma`` and its persistent
+variant) share one device entry, ``BoundaryKernel.kernel`` (one parameter list: ``boundary_signature``), and their
 stages (``mhc_glm5.stages``); each class's ``body`` wires the stages for its thread mapping.
 """
 
@@ -80,6 +80,9 @@ class BoundaryConfig:
     mixed_fma: bool
     #: Tokens per cluster: 1 for ``BoundaryKernel``, more for ``GroupBoundaryKernel``.
     tokens: int = 1
+    #: The persistent tensor-core boundary: ``clusters`` clusters, each looping over groups of
+    #: ``tokens`` (``mhc_glm5.grouped_mma``).
+    persistent: bool = False
 
     @property
     def fragments(self) -> int:
@@ -115,20 +118,25 @@ def boundary_signature() -> Signature:
         Param("direct", Scalar(Int32)),
         *mailbox_params(),
         Param("arrivals", Buffer(Int32, extent=1, align=4)),
+        # The most clusters the persistent boundary launches (the other kernels launch one per group).
+        Param("clusters", Scalar(Int32)),
         Param("m", Scalar(Int32)),
         Param("stream", Stream()),
     )
 
 
-#: The device entry's arguments by name (``boundary_signature`` without the stream, which only
-#: the launch takes): what every boundary kernel's ``body`` reads, so the three kernels share one
-#: parameter list. A named tuple, not a frozen dataclass: a region that calls a method on one of
-#: its members (``args.stage_state.iterator.toint()``) carries it, as the kernels' separate
-#: parameters were carried (``mhc_glm5.stages``), where a frozen dataclass is never carried and
-#: moved the tensors' iterator reads (the PTX of 14 of the 43 sm_90a preset kernels changed).
-#: A ``body`` therefore calls methods on ``args`` members in the regions where the kernel it came
-#: from called them on its parameters, and passes them to stage functions elsewhere.
-BoundaryArgs = namedtuple("BoundaryArgs", [param.name for param in boundary_signature() if param.name != "stream"])
+#: The device entry's arguments by name (``boundary_signature`` without what only the launch takes:
+#: the stream, and ``clusters``, which sizes the persistent grid; its kernel reads the grid): what
+#: every boundary kernel's ``body`` reads, so the kernels share one parameter list. A named tuple,
+#: not a frozen dataclass: a region that calls a method on one of its members
+#: (``args.stage_state.iterator.toint()``) carries it, as the kernels' separate parameters were
+#: carried (``mhc_glm5.stages``), where a frozen dataclass is never carried and moved the tensors'
+#: iterator reads (the PTX of 14 of the 43 sm_90a preset kernels changed). A ``body`` therefore
+#: calls methods on ``args`` members in the regions where the kernel it came from called them on its
+#: parameters, and passes them to stage functions elsewhere.
+BoundaryArgs = namedtuple(
+    "BoundaryArgs", [param.name for param in boundary_signature() if param.name not in ("stream", "clusters")]
+)
 
 
 class BoundaryKernel(DeviceKernel):
@@ -145,14 +153,15 @@ class BoundaryKernel(DeviceKernel):
     @cute.jit
     def __call__(
         self, residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input, x,
-        prefetch, direct, mailbox, stage_state, capacity, spin_limit_ns, error_flag, arrivals, m, stream,
+        prefetch, direct, mailbox, stage_state, capacity, spin_limit_ns, error_flag, arrivals, clusters, m, stream,
     ):  # fmt: skip
         config = self.config
+        groups = (m + config.tokens - 1) // config.tokens
         self.kernel(
             residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input, x, prefetch,
             direct, mailbox, stage_state, capacity, spin_limit_ns, error_flag, arrivals, m,
         ).launch(
-            grid=((m + config.tokens - 1) // config.tokens, config.cluster_size, 1),
+            grid=(cutlass.min(groups, clusters) if config.persistent else groups, config.cluster_size, 1),
             block=(self.block_threads(), 1, 1),
             cluster=(1, config.cluster_size, 1),
             smem=self.shared_bytes(),
@@ -190,7 +199,7 @@ class BoundaryKernel(DeviceKernel):
         arrivals: cute.Tensor,
         m: Int32,
     ):
-        """The device entry of all three boundary kernels (one parameter list, so one PTX signature);
+        """The device entry of every boundary kernel (one parameter list, so one PTX signature);
         each class's ``body`` is its device code."""
         self.body(
             BoundaryArgs(
@@ -297,4 +306,6 @@ class BoundaryKernel(DeviceKernel):
         if lane == 0:
             result = ptx.words_to_f32x8(prenorm_words) * inv_rms * ptx.words_to_f32x8(gamma_words)
             stages.store_row(args.layer_input, token, column, hidden, result)
-        stages.finish(tidx, args.stage_state, args.arrivals, stage, args.m, 1, cluster_rank, polled, poisoned)
+        stages.finish(
+            tidx, args.stage_state, args.arrivals, stage, stages.group_count(args.m, 1), cluster_rank, polled, poisoned
+        )

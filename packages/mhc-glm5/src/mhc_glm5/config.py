@@ -13,7 +13,11 @@ so ``threads = hidden / 8 / cluster_size * 4``. The cluster reductions send one
 a call with M tokens uses the entry with the largest ``min_tokens <= M`` (one
 token per cluster below the first). 2-4 tokens per cluster run the CUDA-core
 grouped kernel (``mhc_glm5.grouped``), 8 or 16 the tensor-core one
-(``mhc_glm5.grouped_mma``: a warp per 4 fragments, ``mma_threads``).
+(``mhc_glm5.grouped_mma``: a warp per 4 fragments, ``mma_threads``). From
+``persistent_min_tokens`` (0: never) the persistent tensor-core boundary takes over:
+as many clusters as the device holds at once (``persistent_clusters``), each looping
+over groups of ``PERSISTENT_TOKENS`` tokens with ``fn`` staged once and the next
+group's streams copied while the current one computes.
 """
 
 from __future__ import annotations
@@ -54,6 +58,11 @@ MIX_INPUTS = HC + HC * HC
 MAX_FFMA_TOKENS = 4
 #: Tokens per cluster of the tensor-core kernel: one or two halves of 8 tokens per warp.
 MMA_TOKENS = (8, 16)
+#: Tokens per group of the persistent boundary: one MMA half, so that two groups' residual
+#: streams (the one computed and the one copied ahead) fit in shared memory beside ``fn``.
+PERSISTENT_TOKENS = MMA_TOKENS[0]
+#: Its buffers of streams and mix inputs: the group computed and the one copied ahead.
+PERSISTENT_BUFFERS = 2
 #: With more than 2 tokens per cluster the CUDA-core grouped kernel needs ~250 registers per
 #: thread: ptxas spills it at 288 threads (hidden 4608, cluster 8), not at 256.
 GROUPED_MAX_THREADS = 256
@@ -129,14 +138,38 @@ def mma_threads(hidden: int, cluster_size: int) -> int:
     return hidden // VEC_BF16 // cluster_size // MMA_FRAGMENTS_PER_WARP * WARP_SIZE
 
 
-def mma_shared_bytes(hidden: int, cluster_size: int, tokens: int) -> int:
-    """Tensor-core kernel: the staged ``fn``, the residual streams (one row per token and source,
-    padded like the ``fn`` rows) and their mbarrier, mix inputs, reductions."""
+def mma_shared_bytes(hidden: int, cluster_size: int, tokens: int, buffers: int = 1) -> int:
+    """Tensor-core kernel: the staged ``fn``, ``buffers`` sets of residual streams (one row per token
+    and source, padded like the ``fn`` rows) with their mbarriers and mix inputs, reductions."""
     fragments = hidden // VEC_BF16 // cluster_size
     warps = mma_threads(hidden, cluster_size) // WARP_SIZE
-    staged = FN_BARRIER_BYTES + tokens * HC * fn_chunk_words(fragments, FN_ROTATION_ROWS) * 4
-    floats = tokens * (MIX_INPUTS + (warps + cluster_size + 1) * VALUES + warps + cluster_size)
+    staged = buffers * (FN_BARRIER_BYTES + tokens * HC * fn_chunk_words(fragments, FN_ROTATION_ROWS) * 4)
+    floats = tokens * (buffers * MIX_INPUTS + (warps + cluster_size + 1) * VALUES + warps + cluster_size)
     return fn_stage_bytes(fragments, FN_ROTATION_ROWS) + staged + floats * 4
+
+
+def persistent_shared_bytes(hidden: int, cluster_size: int) -> int:
+    """The persistent boundary: the tensor-core kernel's at ``PERSISTENT_TOKENS``, double-buffered."""
+    return mma_shared_bytes(hidden, cluster_size, PERSISTENT_TOKENS, PERSISTENT_BUFFERS)
+
+
+def persistent_clusters(sms: int, cluster_size: int) -> int:
+    """Clusters of the persistent boundary that the device holds at once: a CTA needs more than half
+    an SM's shared memory, so one per SM (what the scheduler fits of a GPC's SMs may be fewer; the
+    grid is correct with any count)."""
+    return max(1, sms // cluster_size)
+
+
+def persistent_fits(hidden: int, cluster_size: int) -> str | None:
+    """Why the persistent boundary cannot serve this shape, or None when it can."""
+    if (hidden // VEC_BF16 // cluster_size) % MMA_FRAGMENTS_PER_WARP:
+        return f"hidden / 8 / cluster_size = {hidden // VEC_BF16 // cluster_size} must be a multiple of 4"
+    if mma_threads(hidden, cluster_size) > 1024:
+        return f"one warp per 4 fragments needs {mma_threads(hidden, cluster_size)} threads > 1024"
+    shared = persistent_shared_bytes(hidden, cluster_size)
+    if shared > MAX_SHARED_BYTES:
+        return f"its double-buffered groups need {shared} bytes of shared memory, more than {MAX_SHARED_BYTES}"
+    return None
 
 
 def grouped_kernel_shared_bytes(hidden: int, cluster_size: int, tokens: int) -> int:
@@ -155,10 +188,14 @@ def tokens_per_cluster(cluster_tokens: tuple[tuple[int, int], ...], m: int) -> i
     return chosen
 
 
+#: The tensor-core kernel; it also serves the persistent boundary (``persistent`` in its config).
+MMA_KERNEL = "mhc_glm5.grouped_mma:MmaGroupBoundaryKernel"
+
+
 def grouped_kernel_path(tokens: int) -> str:
     """``module:Class`` of the kernel serving ``tokens`` (> 1) tokens per cluster."""
     if tokens in MMA_TOKENS:
-        return "mhc_glm5.grouped_mma:MmaGroupBoundaryKernel"
+        return MMA_KERNEL
     return "mhc_glm5.grouped:GroupBoundaryKernel"
 
 
@@ -218,6 +255,9 @@ class GLM5Preset:
     archs: tuple[str, ...]
     publish_threads: int = 128
     mixes_threads: int = 128
+    #: Calls with at least this many tokens take the persistent boundary (0: never); above every
+    #: ``cluster_tokens`` threshold.
+    persistent_min_tokens: int = 0
     #: Whether the geometry was measured on the preset's own target (False: a rule or another
     #: host's values; building the op logs a warning).
     tuned: bool = False
@@ -283,6 +323,18 @@ class GLM5Preset:
             f"{MAX_SHARED_BYTES} (raise cluster_size)",
             self.cluster_size,
         )
+        require_int("persistent_min_tokens", self.persistent_min_tokens, minimum=0)
+        if self.persistent_min_tokens:
+            last = max((threshold for threshold, _ in self.cluster_tokens), default=0)
+            require(
+                self.persistent_min_tokens > last,
+                "persistent_min_tokens",
+                f"must be above every cluster_tokens threshold (the last is {last}), or 0",
+                self.persistent_min_tokens,
+            )
+            unfit = persistent_fits(self.hidden, self.cluster_size)
+            require(unfit is None, "persistent_min_tokens", f"the persistent boundary does not fit: {unfit}; use 0",
+                    self.persistent_min_tokens)  # fmt: skip
         require_positive_float("rms_eps", self.rms_eps)
         require_positive_float("hc_eps", self.hc_eps)
         require_positive_float("post_mult", self.post_mult)
@@ -320,6 +372,16 @@ class GLM5Preset:
                 tokens: grouped_kernel_shared_bytes(self.hidden, self.cluster_size, tokens)
                 for tokens in self.grouped_sizes
             },
+            **(
+                {
+                    "persistent_min_tokens": self.persistent_min_tokens,
+                    "persistent_grid": f"(min(ceil(M / {PERSISTENT_TOKENS}), clusters), {self.cluster_size}, 1)",
+                    "persistent_threads": mma_threads(self.hidden, self.cluster_size),
+                    "persistent_shared_bytes": persistent_shared_bytes(self.hidden, self.cluster_size),
+                }
+                if self.persistent_min_tokens
+                else {}
+            ),
             "publish_grid": f"(M, {-(-self.fragments // self.publish_threads)}, 1)",
             "publish_threads": self.publish_threads,
             "mixes_grid": f"(ceil(M / {self.mixes_threads}), 1, 1)",
@@ -337,6 +399,7 @@ class GLM5Preset:
             "norm_eps": self.norm_eps,
             "mixed_fma": arch != "sm_90a",
             "tokens": 1,
+            "persistent": False,
         }
 
     def kernel_specs(self, arch: str) -> dict[str, tuple[str, dict[str, Any]]]:
@@ -360,6 +423,11 @@ class GLM5Preset:
             specs[f"boundary_x{tokens}"] = (
                 grouped_kernel_path(tokens),
                 {**self.boundary_config(arch), "tokens": tokens},
+            )
+        if self.persistent_min_tokens:
+            specs["boundary_persistent"] = (
+                MMA_KERNEL,
+                {**self.boundary_config(arch), "tokens": PERSISTENT_TOKENS, "persistent": True},
             )
         specs["mixes"] = (
             "mhc_glm5.mixes:MixesKernel",

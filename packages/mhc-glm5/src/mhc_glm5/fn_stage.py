@@ -49,6 +49,26 @@ def arm(barrier: cute.Pointer, transaction_bytes: cutlass.Constexpr[int]) -> Non
 
 
 @cute.jit
+def init_idle(barrier: cute.Pointer) -> None:
+    """Thread 0 initialises ``barrier`` without arming it: ``expect`` arms each phase (a staging
+    buffer reused phase after phase); a CTA barrier must follow before any thread waits on it."""
+    tidx, _, _ = cute.arch.thread_idx()
+    if tidx == 0:
+        cute.arch.mbarrier_init(barrier, 1)
+        cute.arch.mbarrier_init_fence()
+
+
+@cute.jit
+def expect(barrier: cute.Pointer, transaction_bytes: cutlass.Constexpr[int]) -> None:
+    """Thread 0 arms the next phase of ``barrier`` for ``transaction_bytes``: before the copies that
+    complete it are issued (by its own warp, after a ``sync_warp``), once every thread has waited
+    on the phase before."""
+    tidx, _, _ = cute.arch.thread_idx()
+    if tidx == 0:
+        cute.arch.mbarrier_arrive_and_expect_tx(barrier, transaction_bytes)
+
+
+@cute.jit
 def copy_rows(
     source: cute.Pointer,
     element: Callable[[Int32], Int64],
@@ -94,9 +114,10 @@ def copy(
 
 
 @cute.jit
-def wait(barrier: cute.Pointer) -> None:
-    """Until every chunk has landed (the barrier's first phase)."""
-    cute.arch.mbarrier_wait(barrier, 0)
+def wait(barrier: cute.Pointer, phase: Int32 = 0) -> None:
+    """Until every chunk has landed: the barrier's first phase (``fn``, copied once), or the phase
+    of parity ``phase`` (a reused staging buffer)."""
+    cute.arch.mbarrier_wait(barrier, phase)
 
 
 @cute.jit

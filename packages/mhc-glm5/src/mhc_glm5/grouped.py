@@ -158,4 +158,7 @@ class GroupBoundaryKernel(BoundaryKernel):
                 inv_rms = stages.inverse_rms(sum_square, hidden, config.norm_eps)
                 result = ptx.words_to_f32x8(kept[t, 0, None].load()) * inv_rms * weight
                 stages.store_row(args.layer_input, token, column, hidden, result)
-        stages.finish(tidx, args.stage_state, args.arrivals, stage, args.m, tokens, cluster_rank, polled, poisoned)
+        stages.finish(
+            tidx, args.stage_state, args.arrivals, stage, stages.group_count(args.m, tokens), cluster_rank, polled,
+            poisoned,
+        )  # fmt: skip

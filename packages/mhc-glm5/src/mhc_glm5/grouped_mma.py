@@ -65,10 +65,13 @@ from .config import (
     MIX_INPUTS,
     MMA_FRAGMENTS_PER_WARP,
     MMA_TOKENS,
+    PERSISTENT_BUFFERS,
+    PERSISTENT_TOKENS,
     VALUES,
     fn_chunk_words,
     mma_shared_bytes,
     mma_threads,
+    persistent_shared_bytes,
 )
 
 #: Fragments per warp (``mhc_glm5.config.mma_threads``): lane ``q`` owns fragment ``q`` outside the MMA.
@@ -95,11 +98,17 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
     def __init__(self, config: BoundaryConfig) -> None:
         if config.tokens not in MMA_TOKENS:
             raise ValueError(f"tokens: expected one of {MMA_TOKENS} for the tensor-core boundary, got {config.tokens}")
+        if config.persistent and config.tokens != PERSISTENT_TOKENS:
+            raise ValueError(
+                f"tokens: the persistent boundary loops over groups of {PERSISTENT_TOKENS}, got {config.tokens}"
+            )
         if config.groups_per_cta % FRAGMENTS_PER_WARP:
             raise ValueError(f"hidden / 8 / cluster_size = {config.groups_per_cta} must be a multiple of 4")
         super().__init__(config)
 
     def shared_bytes(self) -> int:
+        if self.config.persistent:
+            return persistent_shared_bytes(self.config.hidden, self.config.cluster_size)
         return mma_shared_bytes(self.config.hidden, self.config.cluster_size, self.config.tokens)
 
     def block_threads(self) -> int:
@@ -107,6 +116,14 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
 
     @cute.jit
     def body(self, args: BoundaryArgs):
+        if cutlass.const_expr(self.config.persistent):
+            self.persistent_body(args)
+        else:
+            self.grouped_body(args)
+
+    @cute.jit
+    def grouped_body(self, args: BoundaryArgs):
+        """One group of ``tokens`` tokens per cluster."""
         config = self.config
         hidden, tp, cluster, tokens = config.hidden, config.tp, config.cluster_size, config.tokens
         fragments, threads = config.groups_per_cta, self.block_threads()
@@ -140,39 +157,20 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         fn_stage.arm(staged_barrier, tokens * HC * fragments * 16)
         fn_stage.arm(fn_barrier, fn_stage.slice_bytes(fragments))
         cute.arch.barrier()
-        # The residual streams: one bulk copy per (token, source) row of the CTA's columns (a short
-        # last group copies its last token again).
-        cta_fragment = cluster_rank * fragments
-
-        def stream_row(row: Int32) -> Int64:
-            token = cutlass.min(first + row // HC, last)
-            return (Int64(token) * HC + Int64(row % HC)) * hidden + Int64(cta_fragment) * VEC_BF16
-
-        fn_stage.copy_rows(
-            args.residual, stream_row, lambda row: staged + staged_slot(Int32(0), row % HC, row // HC, fragments),
-            tokens * HC, fragments * 16, staged_barrier, threads,
-        )  # fmt: skip
+        self.copy_streams(args, staged, staged_barrier, first, last, cluster_rank)
         # Per token half: lane q's fragments of token g (or g + 8), every rank (x: rank 0 only).
         kept = [
             cute.make_rmem_tensor(cute.make_layout((LANE_FRAGMENTS, tp, 4), stride=(tp * 4, 4, 1)), Uint32)
             for _ in range(halves)
         ]
         if from_x:
-            # Raw words, sanitised at their use: a use here would hold the prologue until they land.
-            # Tokens past M read the last token (like the staging): their results are never stored.
             for h in cutlass.range_constexpr(halves):
-                token = cutlass.min(first + h * TOKENS_PER_HALF + g, last)
-                for k in cutlass.range_constexpr(LANE_FRAGMENTS):
-                    column = Int64(first_fragment + q + k * HC) * VEC_BF16
-                    kept[h][k, 0, None].store(protocol.load_x_raw(args.x, token, column, hidden))
+                self.load_x_words(args, kept[h], first + h * TOKENS_PER_HALF + g, last, first_fragment, q)
         stages.stage_mix_inputs(tidx, args.post, args.comb, mix_inputs, first, last, tokens, threads, True)
         fn_stage.copy(
             args.fn, fn_staged, fn_barrier, cluster_rank * fragments, fragments, FN_ROTATION_ROWS, hidden, threads
         )
-        gamma_words = cute.make_rmem_tensor(cute.make_layout((LANE_FRAGMENTS, 4), stride=(4, 1)), Uint32)
-        for k in cutlass.range_constexpr(LANE_FRAGMENTS):
-            column = Int64(first_fragment + q + k * HC) * VEC_BF16
-            gamma_words[k, None].store(stages.load_fragment(args.gamma, column))
+        gamma_words = self.load_gamma(args, first_fragment, q)
 
         # Polled before the PDL wait; the wait comes before the first output store (``boundary``).
         mailbox_base = args.mailbox.iterator.toint()
@@ -186,16 +184,9 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
             if from_x:
                 polled = Boolean(False)
             else:
-                # One thread polls every rank of its two fragments (fragment step 4, rank lanes 1).
-                half_poisoned = protocol.poll_slots(
-                    kept[h], mailbox_base, stage, token, token, first_fragment + q, Int32(0), active, LANE_FRAGMENTS,
-                    tp, 1, args.capacity, hidden, args.spin_limit_ns, args.error_flag,
-                    args.stage_state.iterator.toint(), poisoned, 0, HC, tp > 1 and h == 0, counter, args.m,
-                )  # fmt: skip
-                poisoned = poisoned | half_poisoned
-                protocol.rearm_slots(
-                    mailbox_base, stage, token, token, first_fragment + q, Int32(0),
-                    active & (half_poisoned == Boolean(False)), LANE_FRAGMENTS, tp, 1, args.capacity, hidden, 0, HC,
+                poisoned = self.poll_half(
+                    args, kept[h], mailbox_base, stage, token, active, first_fragment + q, poisoned, counter,
+                    tp > 1 and h == 0,
                 )  # fmt: skip
             if cutlass.const_expr(h == halves - 1):
                 cute.arch.griddepcontrol_launch_dependents()
@@ -205,27 +196,218 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
                 cute.arch.cp_async_wait_group(0)
                 cute.arch.barrier()
                 fn_stage.wait(staged_barrier)
-            inputs = mix_inputs + t * MIX_INPUTS
-            square = Float32(0.0)
-            for k in cutlass.range_constexpr(LANE_FRAGMENTS):
-                f = local + q + k * HC
-                if from_x:
-                    kept[h][k, 0, None].store(ptx.sanitize_negative_zero(kept[h][k, 0, None].load()))
-                    if poisoned:
-                        kept[h][k, 0, None].store(ptx.nan_u32x4())
-                # The all-reduced sublayer output is BF16, as the collective returns it.
-                summed = protocol.rank_tree_sum(kept[h], k, tp, HC).to(cutlass.BFloat16).to(Float32)
-                sources = [
-                    ptx.words_to_f32x8(ptx.load_shared_u32x4(staged + staged_slot(f, i, t, fragments)))
-                    for i in range(HC)
-                ]
-                for j in cutlass.range_constexpr(HC):
-                    stream_words = stages.post_mix_staged(summed, inputs, j, lambda i: sources[i])  # noqa: B023
-                    square = square + ptx.dot_bf16x8(stream_words, stream_words, config.mixed_fma)
-                    # This lane alone reads source j of this fragment and token.
-                    ptx.store_shared_u32x4(staged + staged_slot(f, j, t, fragments), stream_words)
-            square = stages.group_sum(square)
-            squares[h] = square
+            squares[h] = self.post_mix_half(kept[h], staged, mix_inputs + t * MIX_INPUTS, t, local, q, from_x, poisoned)
+        self.gemv_to_cluster(staged, fn_staged, fn_barrier, sums, squares, warp, local, g, q)
+        self.epilogue(args, staged, sums, gamma_words, first, last, warp, lane_id, local, first_fragment, g, q, False)
+        stages.finish(
+            tidx, args.stage_state, args.arrivals, stage, stages.group_count(args.m, tokens), cluster_rank, polled,
+            poisoned,
+        )  # fmt: skip
+
+    @cute.jit
+    def persistent_body(self, args: BoundaryArgs):
+        """Cluster ``c`` of ``clusters`` (the grid) takes groups ``c, c + clusters, ...`` of
+        ``PERSISTENT_TOKENS`` tokens (one half): ``fn`` and the weight are loaded once; group ``i``'s
+        streams and mix inputs land in buffer ``i % 2`` while group ``i - 1`` computes, and its x
+        (a direct read) in registers one group ahead."""
+        config = self.config
+        hidden, tp, cluster, tokens = config.hidden, config.tp, config.cluster_size, config.tokens
+        fragments, threads = config.groups_per_cta, self.block_threads()
+        warps = threads // WARP_SIZE
+        stream_words = tokens * HC * fn_chunk_words(fragments, FN_ROTATION_ROWS)
+        stream_bytes = tokens * HC * fragments * 16
+        tidx, _, _ = cute.arch.thread_idx()
+        first_group, _, _ = cute.arch.block_idx()
+        clusters, _, _ = cute.arch.grid_dim()
+        cluster_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane_id = cute.arch.lane_idx()
+        g = lane_id // HC
+        q = lane_id % HC
+        local = warp * FRAGMENTS_PER_WARP
+        first_fragment = cluster_rank * fragments + local
+        last = args.m - 1
+        groups = stages.group_count(args.m, tokens)
+        from_x = protocol.reads_x(args.direct, tp)
+
+        smem = cutlass.memory.SmemAllocator()
+        fn_staged, fn_barrier = fn_stage.allocate(smem, fragments, FN_ROTATION_ROWS)
+        staged_barriers = smem.allocate_array(Int64, PERSISTENT_BUFFERS, byte_alignment=8)
+        staged_buffers = smem.allocate_array(Uint32, PERSISTENT_BUFFERS * stream_words, byte_alignment=16)
+        mix_buffers = smem.allocate_array(Float32, PERSISTENT_BUFFERS * tokens * MIX_INPUTS)
+        sums = stages.ClusterSums.allocate(smem, tidx, cluster_rank, tokens, warps, cluster, token_major=False)
+
+        stage, poisoned = stages.begin(args.prefetch, from_x, args.stage_state)
+        fn_stage.arm(staged_barriers, stream_bytes)
+        fn_stage.init_idle(staged_barriers + 1)
+        fn_stage.arm(fn_barrier, fn_stage.slice_bytes(fragments))
+        cute.arch.barrier()
+        # The first group's inputs, then fn (as the tensor-core kernel orders them).
+        first = first_group * tokens
+        self.copy_streams(args, staged_buffers, staged_barriers, first, last, cluster_rank)
+        ahead = cute.make_rmem_tensor(cute.make_layout((LANE_FRAGMENTS, tp, 4), stride=(tp * 4, 4, 1)), Uint32)
+        if from_x:
+            self.load_x_words(args, ahead, first + g, last, first_fragment, q)
+        stages.stage_mix_inputs(tidx, args.post, args.comb, mix_buffers, first, last, tokens, threads, True)
+        fn_stage.copy(
+            args.fn, fn_staged, fn_barrier, cluster_rank * fragments, fragments, FN_ROTATION_ROWS, hidden, threads
+        )
+        gamma_words = self.load_gamma(args, first_fragment, q)
+
+        mailbox_base = args.mailbox.iterator.toint()
+        polled = Boolean(True)
+        kept = cute.make_rmem_tensor(cute.make_layout((LANE_FRAGMENTS, tp, 4), stride=(tp * 4, 4, 1)), Uint32)
+        squares = cute.make_rmem_tensor(cute.make_layout((1,)), Float32)
+        iteration = Int32(0)
+        for group in range(first_group, groups, clusters):
+            buffer = iteration % PERSISTENT_BUFFERS
+            staged = staged_buffers + buffer * stream_words
+            first = group * tokens
+            # The next group's streams and mix inputs into the other buffer (free: the group before
+            # finished with it), and its x into registers. Its mix inputs are always a cp.async group
+            # (an empty one past the last group), so that one group stays in flight below.
+            following = group + clusters
+            other = (iteration + 1) % PERSISTENT_BUFFERS
+            if following < groups:
+                fn_stage.expect(staged_barriers + other, stream_bytes)
+                cute.arch.sync_warp()
+                self.copy_streams(
+                    args, staged_buffers + other * stream_words, staged_barriers + other, following * tokens, last,
+                    cluster_rank,
+                )  # fmt: skip
+                stages.stage_mix_inputs(
+                    tidx, args.post, args.comb, mix_buffers + other * (tokens * MIX_INPUTS), following * tokens, last,
+                    tokens, threads, True,
+                )  # fmt: skip
+            else:
+                cute.arch.cp_async_commit_group()
+            if from_x:
+                kept.store(ahead.load())
+                self.load_x_words(args, ahead, following * tokens + g, last, first_fragment, q)
+            token = first + g
+            if from_x:
+                polled = Boolean(False)
+            else:
+                counter = stages.counts_tokens(group, cluster_rank, tidx, args.spin_limit_ns)
+                poisoned = self.poll_half(
+                    args, kept, mailbox_base, stage, token, token <= last, first_fragment + q, poisoned, counter, tp > 1
+                )
+            if following >= groups:
+                cute.arch.griddepcontrol_launch_dependents()  # this cluster's last poll is done
+            # This group's mix inputs landed (the next group's may be in flight) and are visible to all;
+            # its streams' bulk copies complete its buffer's barrier phase.
+            cute.arch.cp_async_wait_group(1)
+            cute.arch.barrier()
+            fn_stage.wait(staged_barriers + buffer, (iteration // PERSISTENT_BUFFERS) % 2)
+            mix_inputs = mix_buffers + buffer * (tokens * MIX_INPUTS)
+            squares[0] = self.post_mix_half(kept, staged, mix_inputs + g * MIX_INPUTS, g, local, q, from_x, poisoned)
+            self.gemv_to_cluster(staged, fn_staged, fn_barrier, sums, squares, warp, local, g, q)
+            self.epilogue(
+                args, staged, sums, gamma_words, first, last, warp, lane_id, local, first_fragment, g, q, True
+            )
+            iteration = iteration + 1
+        stages.finish(tidx, args.stage_state, args.arrivals, stage, clusters, cluster_rank, polled, poisoned)
+
+    # ------------------------------------------------------------ stages
+    @cute.jit
+    def copy_streams(
+        self, args: BoundaryArgs, staged: cute.Pointer, barrier: cute.Pointer, first: Int32, last: Int32,
+        cluster_rank: Int32,
+    ):  # fmt: skip
+        """The residual streams of tokens ``first ..``: one bulk copy per (token, source) row of the
+        CTA's columns (a short last group copies its last token again), against ``barrier``."""
+        config = self.config
+        hidden, tokens, fragments = config.hidden, config.tokens, config.groups_per_cta
+        cta_fragment = cluster_rank * fragments
+
+        def stream_row(row: Int32) -> Int64:
+            token = cutlass.min(first + row // HC, last)
+            return (Int64(token) * HC + Int64(row % HC)) * hidden + Int64(cta_fragment) * VEC_BF16
+
+        fn_stage.copy_rows(
+            args.residual, stream_row, lambda row: staged + staged_slot(Int32(0), row % HC, row // HC, fragments),
+            tokens * HC, fragments * 16, barrier, self.block_threads(),
+        )  # fmt: skip
+
+    @cute.jit
+    def load_x_words(
+        self, args: BoundaryArgs, kept: cute.Tensor, token: Int32, last: Int32, first_fragment: Int32, q: Int32
+    ):
+        """Lane ``q``'s fragments of x for ``token`` (a direct read), raw: sanitised at their use, as a
+        use here would hold the prologue until they land. Tokens past M read the last token (like
+        the staging): their results are never stored."""
+        row = cutlass.min(token, last)
+        for k in cutlass.range_constexpr(LANE_FRAGMENTS):
+            column = Int64(first_fragment + q + k * HC) * VEC_BF16
+            kept[k, 0, None].store(protocol.load_x_raw(args.x, row, column, self.config.hidden))
+
+    @cute.jit
+    def load_gamma(self, args: BoundaryArgs, first_fragment: Int32, q: Int32) -> cute.Tensor:
+        """The norm weight of the lane's fragments."""
+        gamma_words = cute.make_rmem_tensor(cute.make_layout((LANE_FRAGMENTS, 4), stride=(4, 1)), Uint32)
+        for k in cutlass.range_constexpr(LANE_FRAGMENTS):
+            column = Int64(first_fragment + q + k * HC) * VEC_BF16
+            gamma_words[k, None].store(stages.load_fragment(args.gamma, column))
+        return gamma_words
+
+    @cute.jit
+    def poll_half(
+        self, args: BoundaryArgs, kept: cute.Tensor, mailbox_base: Int64, stage: Uint32, token: Int32,
+        active: Boolean, fragment: Int32, poisoned: Boolean, counter: Boolean, counts: cutlass.Constexpr[bool],
+    ) -> Boolean:  # fmt: skip
+        """One thread polls every rank of its fragments of ``token`` (fragment step 4, rank lanes 1)
+        and re-arms them; returns whether the op is poisoned."""
+        config = self.config
+        half_poisoned = protocol.poll_slots(
+            kept, mailbox_base, stage, token, token, fragment, Int32(0), active, LANE_FRAGMENTS, config.tp, 1,
+            args.capacity, config.hidden, args.spin_limit_ns, args.error_flag, args.stage_state.iterator.toint(),
+            poisoned, 0, HC, counts, counter, args.m,
+        )  # fmt: skip
+        poisoned = poisoned | half_poisoned
+        protocol.rearm_slots(
+            mailbox_base, stage, token, token, fragment, Int32(0), active & (half_poisoned == Boolean(False)),
+            LANE_FRAGMENTS, config.tp, 1, args.capacity, config.hidden, 0, HC,
+        )  # fmt: skip
+        return poisoned
+
+    @cute.jit
+    def post_mix_half(
+        self, kept: cute.Tensor, staged: cute.Pointer, inputs: cute.Pointer, t: Int32, local: Int32, q: Int32,
+        from_x: Boolean, poisoned: Boolean,
+    ) -> Float32:  # fmt: skip
+        """Token ``t``'s 4 streams of the lane's fragments, post-mixed and written back over the
+        sources in ``staged``; returns their sum of squares over the lane's group."""
+        config = self.config
+        fragments = config.groups_per_cta
+        square = Float32(0.0)
+        for k in cutlass.range_constexpr(LANE_FRAGMENTS):
+            f = local + q + k * HC
+            if from_x:
+                kept[k, 0, None].store(ptx.sanitize_negative_zero(kept[k, 0, None].load()))
+                if poisoned:
+                    kept[k, 0, None].store(ptx.nan_u32x4())
+            # The all-reduced sublayer output is BF16, as the collective returns it.
+            summed = protocol.rank_tree_sum(kept, k, config.tp, HC).to(cutlass.BFloat16).to(Float32)
+            sources = [
+                ptx.words_to_f32x8(ptx.load_shared_u32x4(staged + staged_slot(f, i, t, fragments))) for i in range(HC)
+            ]
+            for j in cutlass.range_constexpr(HC):
+                stream_words = stages.post_mix_staged(summed, inputs, j, lambda i: sources[i])  # noqa: B023
+                square = square + ptx.dot_bf16x8(stream_words, stream_words, config.mixed_fma)
+                # This lane alone reads source j of this fragment and token.
+                ptx.store_shared_u32x4(staged + staged_slot(f, j, t, fragments), stream_words)
+        return stages.group_sum(square)
+
+    @cute.jit
+    def gemv_to_cluster(
+        self, staged: cute.Pointer, fn_staged: cute.Pointer, fn_barrier: cute.Pointer, sums: stages.ClusterSums,
+        squares: cute.Tensor, warp: Int32, local: Int32, g: Int32, q: Int32,
+    ):  # fmt: skip
+        """The GEMV on tensor cores and the warps' 24 x tokens sums and sums of squares, reduced over
+        the cluster into ``sums.totals``."""
+        config = self.config
+        tokens, fragments = config.tokens, config.groups_per_cta
+        halves = tokens // TOKENS_PER_HALF
         # The MMA reads the streams the other lanes of the warp wrote.
         cute.arch.sync_warp()
 
@@ -258,7 +440,21 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
                 cute.arch.store((sums.warp + (warp * tokens + t) * VALUES + MIX).llvm_ptr, squares[h])
         sums.values_to_cluster()
 
-        # Raw mixes handed off (CTA 0, one warp per token), then the collapse of each token.
+    @cute.jit
+    def epilogue(
+        self, args: BoundaryArgs, staged: cute.Pointer, sums: stages.ClusterSums, gamma_words: cute.Tensor,
+        first: Int32, last: Int32, warp: Int32, lane_id: Int32, local: Int32, first_fragment: Int32, g: Int32,
+        q: Int32, reuses_staged: cutlass.Constexpr[bool],
+    ):  # fmt: skip
+        """The raw mixes handed off (CTA 0, one warp per token), the PDL wait, then per token
+        ``residual_out`` from ``staged``, the collapse, the cluster's sum of squares and the
+        normalised layer input. ``reuses_staged``: bulk copies overwrite ``staged`` next (the
+        persistent loop), so this thread's shared-memory accesses are fenced from them first."""
+        config = self.config
+        hidden, tokens, fragments = config.hidden, config.tokens, config.groups_per_cta
+        halves = tokens // TOKENS_PER_HALF
+        warps = self.block_threads() // WARP_SIZE
+        cluster_rank = sums.cluster_rank
         for trip in cutlass.range_constexpr(-(-tokens // warps)):
             t = warp + trip * warps
             if (cluster_rank == 0) & (lane_id == 0) & (t < Int32(tokens)) & (first + t <= last):
@@ -292,6 +488,8 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
             square = stages.group_sum(square)
             if q == Int32(0):
                 cute.arch.store((sums.warp_squares + warp * tokens + t).llvm_ptr, square)
+        if cutlass.const_expr(reuses_staged):
+            cute.arch.fence_proxy("async.shared", space="cta")
         sums.squares_to_cluster()
 
         for h in cutlass.range_constexpr(halves):
@@ -305,4 +503,3 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
                     result = ptx.words_to_f32x8(prenorm[h, k, None].load()) * inv_rms * weight
                     column = Int64(first_fragment + q + k * HC) * VEC_BF16
                     stages.store_row(args.layer_input, token, column, hidden, result)
-        stages.finish(tidx, args.stage_state, args.arrivals, stage, args.m, tokens, cluster_rank, polled, poisoned)

@@ -43,7 +43,7 @@ from mhc_core.host.validation import check_int
 from mhc_core.presets import PresetError, warn_if_untuned
 
 from . import library  # noqa: F401  (registers the mhc::glm5_* custom ops)
-from .config import HC, MIX, GLM5Preset, thresholds_from_mapping
+from .config import HC, MIX, PERSISTENT_TOKENS, GLM5Preset, persistent_clusters, thresholds_from_mapping
 
 Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 OUTPUT_NAMES = ("out[0] (residual_out)", "out[1] (post_out)", "out[2] (comb_out)", "out[3] (layer_input)")
@@ -67,6 +67,11 @@ class AllReduceMhcBoundary(LamportOp):
         cluster_tokens: ``[(min_tokens, tokens_per_cluster), ...]`` thresholds
             (M >= threshold -> tokens per cluster; 1 below the first); the
             reference's exact ``{M: tokens}`` mapping is accepted and converted.
+        persistent_min_tokens: calls with at least this many tokens take the persistent
+            boundary (``mhc_glm5.grouped_mma``: clusters looping over groups of 8 tokens);
+            0 or None: never (presets set their measured value).
+        clusters: the most clusters the persistent boundary launches. None: as many as the
+            device holds at once (``mhc_glm5.config.persistent_clusters``).
         group, transport, spin_timeout_ms, check_routes: as ``mhc_core.LamportOp``.
     """
 
@@ -88,10 +93,14 @@ class AllReduceMhcBoundary(LamportOp):
         transport: str | None = None,
         publish_threads: int = 128,
         mixes_threads: int = 128,
+        persistent_min_tokens: int | None = None,
+        clusters: int | None = None,
         spin_timeout_ms: float | None = None,
         check_routes: bool = False,
     ) -> None:
         check_int("top_k", top_k, minimum=1)
+        if clusters is not None:
+            check_int("clusters", clusters, minimum=1)
         super().__init__(
             hidden_size=hidden_size,
             max_num_tokens=max_num_tokens,
@@ -126,17 +135,26 @@ class AllReduceMhcBoundary(LamportOp):
                 archs=SUPPORTED_ARCHS[:1],
                 publish_threads=publish_threads,
                 mixes_threads=mixes_threads,
+                persistent_min_tokens=0 if persistent_min_tokens is None else persistent_min_tokens,
             )
         except PresetError as error:
             raise ValueError(f"{error.key}: {error.rule}; got {error.value!r}") from None
         self._build_publishes()
         self.preset = dataclasses.replace(preset, archs=(self.arch,))
         self.cluster_tokens = self.preset.cluster_tokens
-        # The kernels the preset lists (what `nox -s build` compiles), one per tokens-per-cluster size.
+        self.persistent_min_tokens = self.preset.persistent_min_tokens
+        if clusters is None:
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            clusters = persistent_clusters(sms, self.preset.cluster_size)
+        self.clusters = clusters
+        # The kernels the preset lists (what `nox -s build` compiles): one per tokens-per-cluster size,
+        # and the persistent boundary.
         specs = self.preset.kernel_specs(self.arch)
-        self._boundary_kernels = {1: self._compile(KernelSpec(*specs["boundary"]))}
+        self._boundary_kernels = {"boundary": self._compile(KernelSpec(*specs["boundary"]))}
         for tokens in self.preset.grouped_sizes:
-            self._boundary_kernels[tokens] = self._compile(KernelSpec(*specs[f"boundary_x{tokens}"]))
+            self._boundary_kernels[f"boundary_x{tokens}"] = self._compile(KernelSpec(*specs[f"boundary_x{tokens}"]))
+        if self.persistent_min_tokens:
+            self._boundary_kernels["boundary_persistent"] = self._compile(KernelSpec(*specs["boundary_persistent"]))
         self._mixes_kernel = self._compile(KernelSpec(*specs["mixes"]))
         # Per token: the boundary writes the raw mixes, the mixes kernel polls, copies and re-arms them.
         self._mixes_handoff = torch.full((self.capacity, MIX), -0.0, dtype=torch.float32, device=self.device)
@@ -173,6 +191,7 @@ class AllReduceMhcBoundary(LamportOp):
             top_k=preset.top_k,
             cluster_size=preset.cluster_size,
             cluster_tokens=preset.cluster_tokens,
+            persistent_min_tokens=options.pop("persistent_min_tokens", preset.persistent_min_tokens),
             group=group,
             publish_threads=preset.publish_threads,
             mixes_threads=preset.mixes_threads,
@@ -215,8 +234,15 @@ class AllReduceMhcBoundary(LamportOp):
         return self._raw_mixes
 
     def tokens_per_cluster(self, m: int) -> int:
-        """The boundary kernel ``__call__`` picks for M tokens (``cluster_tokens`` thresholds)."""
+        """Tokens per cluster (per group, for the persistent boundary) of the kernel ``__call__``
+        picks for M tokens."""
+        if self.persistent(m):
+            return PERSISTENT_TOKENS
         return self.preset.tokens_per_cluster(m)
+
+    def persistent(self, m: int) -> bool:
+        """Whether a call with M tokens takes the persistent boundary (``persistent_min_tokens``)."""
+        return bool(self.persistent_min_tokens) and m >= self.persistent_min_tokens
 
     def _side(self) -> tuple[int, int]:
         return self._side_work.handle, self._side_work.fork_handle
@@ -250,10 +276,20 @@ class AllReduceMhcBoundary(LamportOp):
             for name, shape, dtype in zip(OUTPUT_NAMES, shapes, OUTPUT_DTYPES, strict=True)
         )
 
-    def _variant_tokens(self) -> list[int]:
-        """Tokens per cluster of the boundary launch's variants, in order: 1 below the first
-        threshold, then each ``cluster_tokens`` entry's (the native program picks by M)."""
-        return [1, *(tokens for _, tokens in self.cluster_tokens)]
+    def _variants(self) -> list[tuple[int, str]]:
+        """The boundary launch's variants in order, as ``(min_tokens, kernel name)``: the one-token
+        kernel, each ``cluster_tokens`` entry's, then the persistent one (the native program takes
+        the last whose min_tokens <= M)."""
+        variants = [(1, "boundary")]
+        variants += [(threshold, "boundary" if tokens == 1 else f"boundary_x{tokens}")
+                     for threshold, tokens in self.cluster_tokens]  # fmt: skip
+        if self.persistent_min_tokens:
+            variants.append((self.persistent_min_tokens, "boundary_persistent"))
+        return variants
+
+    def _variant_name(self, m: int) -> str:
+        """The boundary kernel the native program picks for M tokens."""
+        return [name for threshold, name in self._variants() if m >= threshold][-1]
 
     def _collect_launches(self, *, direct: bool, prefetch: Source) -> list[Launch]:
         residual_out, post_out, comb_out, layer_input = (Pointer(name) for name in OUTPUT_NAMES)
@@ -269,8 +305,10 @@ class AllReduceMhcBoundary(LamportOp):
             x=Pointer("x" if direct else "residual"),
             prefetch=prefetch,
             direct=Fixed(int(direct)),
+            clusters=Fixed(self.clusters),
         )
-        kernels = [self._boundary_kernels[count] for count in self._variant_tokens()]
+        variants = self._variants()
+        kernels = [self._boundary_kernels[name] for _, name in variants]
         assert self.mailbox is not None
         mixes: dict[str, Source] = dict(
             # The hand-off wait outlasts the boundary's own (``SpinGuard.handoff_limit_ns``); a timeout
@@ -290,7 +328,7 @@ class AllReduceMhcBoundary(LamportOp):
                 [kernel.function for kernel in kernels],
                 kernels[0].signature,
                 boundary,
-                min_tokens=[1, *(threshold for threshold, _ in self.cluster_tokens)],
+                min_tokens=[threshold for threshold, _ in variants],
                 # The mixes kernel waits for what precedes the boundary, not for the boundary.
                 forks_side=True,
             ),
@@ -315,9 +353,9 @@ class AllReduceMhcBoundary(LamportOp):
         base = torch.zeros(MIX, dtype=torch.float32, device=device)
         weight = torch.ones(hidden, dtype=torch.bfloat16, device=device)
         values = (residual, post, comb, fn, scale, base, weight)
-        tokens = self._variant_tokens()
-        # One launch of each boundary kernel (the variant that first serves its tokens per cluster).
-        return [(values, tokens.index(count)) for count in self._boundary_kernels]
+        names = [name for _, name in self._variants()]
+        # One launch of each boundary kernel (the variant that first serves it).
+        return [(values, names.index(name)) for name in self._boundary_kernels]
 
     def _plan_values(self, method: str, *args: Any, **kwargs: Any) -> tuple[object, tuple[Any, ...], Any]:
         if method != "call":
@@ -380,5 +418,6 @@ class AllReduceMhcBoundary(LamportOp):
     def __repr__(self) -> str:
         return (
             f"AllReduceMhcBoundary(cluster_size={self.preset.cluster_size}, threads={self.preset.threads}, "
-            f"cluster_tokens={list(self.cluster_tokens)}, {self._describe()})"
+            f"cluster_tokens={list(self.cluster_tokens)}, persistent_min_tokens={self.persistent_min_tokens}, "
+            f"clusters={self.clusters}, {self._describe()})"
         )

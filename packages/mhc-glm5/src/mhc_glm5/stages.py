@@ -1,11 +1,13 @@
-"""The stages of the three GLM-5.3 boundary kernels, each written once.
+"""The stages of the GLM-5.3 boundary kernels, each written once.
 
 ``mhc_glm5.boundary`` (one token per cluster), ``mhc_glm5.grouped`` (2-4 tokens, CUDA cores)
-and ``mhc_glm5.grouped_mma`` (8 or 16 tokens, tensor cores) run the same stages in the same
-order: prologue (``begin``, the loads and the staging), poll (``mhc_core.device.protocol``,
-``counts_tokens``), post-mix, GEMV, the two cluster reductions (``ClusterSums``), epilogue
-(``finish`` last). They differ in how a thread maps to tokens, streams and fragments, so each
-kernel's ``body`` wires these functions together with the indices of its mapping.
+and ``mhc_glm5.grouped_mma`` (8 or 16 tokens, tensor cores; and its persistent variant, which
+loops over groups of 8) run the same stages in the same order: prologue (``begin``, the loads
+and the staging), poll (``mhc_core.device.protocol``, ``counts_tokens``), post-mix, GEMV, the two
+cluster reductions (``ClusterSums``), epilogue (``finish`` last). They differ in how a thread maps
+to tokens, streams and fragments, so each kernel's ``body`` wires these functions together with
+the indices of its mapping; the tensor-core kernel's own stages (its poll, post-mix, GEMV and
+epilogue of a group) are methods that its grouped and persistent bodies share.
 
 Written for byte-identical PTX with the kernels they came from (``tools.compile_presets
 --ptx-digest``). A function here traces inline, so moving code into one changes nothing as
@@ -398,20 +400,24 @@ def store_row(
 
 
 @cute.jit
+def group_count(m: Int32, tokens: cutlass.Constexpr[int]) -> Int32:
+    """Groups of ``tokens`` tokens in a call of M tokens: the clusters of a grouped launch."""
+    return (m + tokens - 1) // tokens
+
+
+@cute.jit
 def finish(
     tidx: Int32,
     stage_state: cute.Tensor,
     arrivals: cute.Tensor,
     stage: Uint32,
-    m: Int32,
-    tokens: cutlass.Constexpr[int],
+    clusters: Int32,
     cluster_rank: Int32,
     polled: Boolean,
     poisoned: Boolean,
 ) -> None:
-    """The cluster arrives (its first thread); the grid's last cluster moves the stage on
-    (``protocol.advance_stage_after_all``): only after a poll (a direct read used no stage) and
-    while the op is healthy."""
-    clusters = (m + tokens - 1) // tokens
+    """The cluster arrives (its first thread); the grid's last cluster (of ``clusters``) moves the
+    stage on (``protocol.advance_stage_after_all``): only after a poll (a direct read used no stage)
+    and while the op is healthy."""
     leader = (cluster_rank == 0) & (tidx == 0) & polled & (poisoned == Boolean(False))
     protocol.advance_stage_after_all(stage_state, arrivals, stage, clusters, leader)

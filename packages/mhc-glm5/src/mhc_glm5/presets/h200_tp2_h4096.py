@@ -40,6 +40,7 @@ PRESET = GLM5Preset(
     archs=("sm_90a",),
     publish_threads=128,
     mixes_threads=128,
+    persistent_min_tokens=256,
     tuned=True,
     description="H200, TP2",
 )
@@ -52,6 +53,10 @@ GEOMETRY: dict[str, Any] = {
     "fragment_groups_per_cta": 64,
     "shared_bytes": 116736,
     "grouped_shared_bytes": {2: 11880, 4: 23760, 8: 154672, 16: 209360},
+    "persistent_min_tokens": 256,
+    "persistent_grid": "(min(ceil(M / 8), clusters), 8, 1)",
+    "persistent_threads": 512,
+    "persistent_shared_bytes": 188600,
     "publish_grid": "(M, 4, 1)",
     "publish_threads": 128,
     "mixes_grid": "(ceil(M / 128), 1, 1)",
@@ -120,6 +125,7 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "norm_eps": 1e-05,
                 "mixed_fma": False,
                 "tokens": 1,
+                "persistent": False,
             },
         ),
         "boundary_x2": (
@@ -133,6 +139,7 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "norm_eps": 1e-05,
                 "mixed_fma": False,
                 "tokens": 2,
+                "persistent": False,
             },
         ),
         "boundary_x4": (
@@ -146,6 +153,7 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "norm_eps": 1e-05,
                 "mixed_fma": False,
                 "tokens": 4,
+                "persistent": False,
             },
         ),
         "boundary_x8": (
@@ -159,6 +167,7 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "norm_eps": 1e-05,
                 "mixed_fma": False,
                 "tokens": 8,
+                "persistent": False,
             },
         ),
         "boundary_x16": (
@@ -172,6 +181,21 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "norm_eps": 1e-05,
                 "mixed_fma": False,
                 "tokens": 16,
+                "persistent": False,
+            },
+        ),
+        "boundary_persistent": (
+            "mhc_glm5.grouped_mma:MmaGroupBoundaryKernel",
+            {
+                "hidden": 4096,
+                "tp": 2,
+                "cluster_size": 8,
+                "rms_eps": 1e-06,
+                "hc_eps": 1e-06,
+                "norm_eps": 1e-05,
+                "mixed_fma": False,
+                "tokens": 8,
+                "persistent": True,
             },
         ),
         "mixes": (
