@@ -57,15 +57,14 @@ def persistent_ops_for(name: str) -> list:
     """The preset's ops with the persistent boundary at every M and ``LOOPING_CLUSTERS`` clusters."""
     from mhc_glm5 import AllReduceMhcBoundary, presets
 
-    preset = presets.get(name).PRESET
+    preset = dataclasses.replace(presets.get(name).PRESET, cluster_tokens=(), persistent_min_tokens=1)
     return cached_ranks(
         ("glm5-persistent", name, CAPACITY),
         preset.tp,
         lambda group: AllReduceMhcBoundary.from_config(
-            preset, max_num_tokens=CAPACITY, device="cuda", group=group, persistent_min_tokens=1,
-            clusters=LOOPING_CLUSTERS,
+            preset, max_num_tokens=CAPACITY, device="cuda", group=group, clusters=LOOPING_CLUSTERS
         ),
-    )  # fmt: skip
+    )
 
 
 def all_reduce_ops(tp: int, hidden: int, top_k: int) -> list:

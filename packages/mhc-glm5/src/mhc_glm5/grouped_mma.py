@@ -441,6 +441,15 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         sums.values_to_cluster()
 
     @cute.jit
+    def store_streams(self, args: BoundaryArgs, token: Int32, last: Int32, fragment: Int32, streams: list):
+        """The 4 post-mixed streams of one fragment of ``token`` into ``residual_out`` (not past M)."""
+        if token <= last:
+            column = Int64(fragment) * VEC_BF16
+            for j in cutlass.range_constexpr(HC):
+                element = stages.stream_element(token, j, column, self.config.hidden)
+                stages.store_fragment(args.residual_out, element, streams[j])
+
+    @cute.jit
     def epilogue(
         self, args: BoundaryArgs, staged: cute.Pointer, sums: stages.ClusterSums, gamma_words: cute.Tensor,
         first: Int32, last: Int32, warp: Int32, lane_id: Int32, local: Int32, first_fragment: Int32, g: Int32,
@@ -448,8 +457,10 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
     ):  # fmt: skip
         """The raw mixes handed off (CTA 0, one warp per token), the PDL wait, then per token
         ``residual_out`` from ``staged``, the collapse, the cluster's sum of squares and the
-        normalised layer input. ``reuses_staged``: bulk copies overwrite ``staged`` next (the
-        persistent loop), so this thread's shared-memory accesses are fenced from them first."""
+        normalised layer input. ``reuses_staged`` (the persistent loop): bulk copies overwrite
+        ``staged`` next, so this thread's shared-memory accesses are fenced from them first, and
+        ``residual_out`` is stored from registers after the cluster barrier's arrive, whose release
+        would otherwise wait until those stores are acknowledged (once per group)."""
         config = self.config
         hidden, tokens, fragments = config.hidden, config.tokens, config.groups_per_cta
         halves = tokens // TOKENS_PER_HALF
@@ -465,6 +476,8 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         prenorm = cute.make_rmem_tensor(
             cute.make_layout((halves, LANE_FRAGMENTS, 4), stride=(LANE_FRAGMENTS * 4, 4, 1)), Uint32
         )
+        # The persistent loop stores residual_out after the cluster barrier's arrive (``between``).
+        kept_streams = []
         for h in cutlass.range_constexpr(halves):
             t = h * TOKENS_PER_HALF + g
             rstd = stages.mixes_rstd(sums.totals + t * VALUES, hidden, config.rms_eps)
@@ -476,11 +489,10 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
             for k in cutlass.range_constexpr(LANE_FRAGMENTS):
                 f = local + q + k * HC
                 streams = [ptx.load_shared_u32x4(staged + staged_slot(f, j, t, fragments)) for j in range(HC)]
-                if first + t <= last:
-                    column = Int64(first_fragment + q + k * HC) * VEC_BF16
-                    for j in cutlass.range_constexpr(HC):
-                        element = stages.stream_element(first + t, j, column, hidden)
-                        stages.store_fragment(args.residual_out, element, streams[j])
+                if cutlass.const_expr(reuses_staged):
+                    kept_streams.append((t, k, streams))
+                else:
+                    self.store_streams(args, first + t, last, first_fragment + q + k * HC, streams)
                 terms = [ptx.words_to_f32x8(streams[j]) * pre[j] for j in range(HC)]
                 collapsed = ptx.f32x8_to_words((terms[0] + terms[1]) + (terms[2] + terms[3]))
                 prenorm[h, k, None].store(collapsed)
@@ -490,7 +502,14 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
                 cute.arch.store((sums.warp_squares + warp * tokens + t).llvm_ptr, square)
         if cutlass.const_expr(reuses_staged):
             cute.arch.fence_proxy("async.shared", space="cta")
-        sums.squares_to_cluster()
+
+            def store_kept() -> None:
+                for t, k, streams in kept_streams:
+                    self.store_streams(args, first + t, last, first_fragment + q + k * HC, streams)
+
+            sums.squares_to_cluster(store_kept)
+        else:
+            sums.squares_to_cluster()
 
         for h in cutlass.range_constexpr(halves):
             t = h * TOKENS_PER_HALF + g
