@@ -257,27 +257,22 @@ def glm5_thresholds(
     return records
 
 
-#: ``glm5-persistent``'s variants as (CTAs per cluster, clusters; None:
-#: ``mhc_glm5.config.persistent_clusters``, all the device holds).
-PERSISTENT_GEOMETRIES = ((8, 15), (16, None), (16, 15), (16, 14), (16, 12))
+#: ``glm5-persistent``'s cluster counts (None: ``mhc_glm5.config.persistent_clusters``, one per SM).
+PERSISTENT_CLUSTERS = (None, 15, 14, 12, 8)
 
 
 def glm5_persistent(ctx: Context, ms: list[int], hidden: int = 4096) -> list[Record]:
-    """Issue #20: the persistent GLM boundary at every M against the 16-token kernel, by cluster size
-    and count (fewer clusters leave SMs to the side-stream mixes kernel and loop more)."""
+    """Issue #20: the persistent GLM boundary at every M against the 16-token kernel, by cluster
+    count (fewer clusters leave SMs to the side-stream mixes kernel and loop more)."""
     from mhc_glm5 import presets
 
     preset = presets.get(f"h200-tp{ctx.tp}-h{hidden}").PRESET
     op = _glm5_op(ctx, preset, max(ms), cluster_tokens=((1, 16),), persistent_min_tokens=0)
     records = _time_glm5_variant(ctx, "glm5-persistent", op, "x16", ms, hidden)
     op.close()
-    for cluster_size, clusters in PERSISTENT_GEOMETRIES:
-        op = _glm5_op(
-            ctx, preset, max(ms), cluster_tokens=(), persistent_min_tokens=1, persistent_cluster_size=cluster_size,
-            clusters=clusters,
-        )  # fmt: skip
-        label = f"persistent, {op.clusters} x {cluster_size}"
-        records += _time_glm5_variant(ctx, "glm5-persistent", op, label, ms, hidden)
+    for clusters in PERSISTENT_CLUSTERS:
+        op = _glm5_op(ctx, preset, max(ms), cluster_tokens=(), persistent_min_tokens=1, clusters=clusters)
+        records += _time_glm5_variant(ctx, "glm5-persistent", op, f"persistent, {op.clusters} clusters", ms, hidden)
         op.close()
     return records
 

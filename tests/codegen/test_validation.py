@@ -25,8 +25,7 @@ DSV_KEYS = (
 )
 GLM_KEYS = (
     "hidden, hc, tp, top_k, cluster_size, cluster_tokens, rms_eps, hc_eps, post_mult, sinkhorn_repeat, "
-    "norm_eps, archs, publish_threads, mixes_threads, persistent_min_tokens, persistent_cluster_size, tuned, "
-    "description"
+    "norm_eps, archs, publish_threads, mixes_threads, persistent_min_tokens, tuned, description"
 )
 
 # (preset, changed keys, message after "presets.toml: [preset] ")
@@ -137,17 +136,6 @@ CASES: dict[str, tuple[str, dict[str, Any], str]] = {
         {"persistent_min_tokens": -1},
         "key 'persistent_min_tokens': must be >= 0; got -1",
     ),
-    "glm-persistent-cluster-size": (
-        GLM,
-        {"persistent_cluster_size": 32},
-        "key 'persistent_cluster_size': must be <= 16; got 32",
-    ),
-    "glm-persistent-cluster-size-fragments": (
-        GLM,
-        {"persistent_cluster_size": 12},
-        "key 'persistent_cluster_size': the persistent boundary does not fit: hidden / 8 / persistent_cluster_size "
-        "= 42.6667 must be a multiple of 4; got 12",
-    ),
     "glm-persistent-below-thresholds": (
         GLM,
         {"persistent_min_tokens": 64},
@@ -254,15 +242,15 @@ def test_one_token_shared_memory_rule(workdir: Path, capsys: pytest.CaptureFixtu
 
 def test_persistent_shared_memory_rule(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The persistent boundary double-buffers its groups beside the staged fn: hidden 8192 on 8
-    CTAs is too much for it (the one-token and 2-token kernels still fit; 16 CTAs would)."""
+    CTAs is too much for it (the one-token and 2-token kernels still fit)."""
     from mhc_glm5.config import persistent_shared_bytes
 
     document = repo_presets()
-    apply(document, GLM, {"hidden": 8192, "cluster_tokens": [[16, 2]], "persistent_cluster_size": 8})
+    apply(document, GLM, {"hidden": 8192, "cluster_tokens": [[16, 2]]})
     assert run_bad(workdir, document, capsys) == [
-        f"error: presets.toml: [{GLM}] key 'persistent_cluster_size': the persistent boundary does not fit: its "
+        f"error: presets.toml: [{GLM}] key 'persistent_min_tokens': the persistent boundary does not fit: its "
         f"double-buffered groups need {persistent_shared_bytes(8192, 8)} bytes of shared memory, more than "
-        "232448; got 8"
+        "232448; use 0; got 256"
     ]
 
 

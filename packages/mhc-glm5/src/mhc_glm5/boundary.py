@@ -63,7 +63,6 @@ from .config import (
     VALUES,
     boundary_launch_shared_bytes,
     boundary_threads,
-    persistent_ctas_per_sm,
 )
 
 
@@ -168,17 +167,7 @@ class BoundaryKernel(DeviceKernel):
             smem=self.shared_bytes(),
             stream=stream,
             use_pdl=True,
-            **self.occupancy(),
         )  # fmt: skip
-
-    def occupancy(self) -> dict:
-        """Launch options that hold the kernel to the CTAs per SM its geometry counts with (the
-        persistent boundary's registers capped for two CTAs per SM; none for the others)."""
-        if not self.config.persistent:
-            return {}
-        ctas = persistent_ctas_per_sm(self.config.hidden, self.config.cluster_size)
-        # The carveout is named so that the DSL does not ask a device for it at compile time.
-        return {"min_blocks_per_mp": ctas, "preferred_smem_carveout": 100} if ctas > 1 else {}
 
     def shared_bytes(self) -> int:
         return boundary_launch_shared_bytes(self.config.hidden, self.config.cluster_size)

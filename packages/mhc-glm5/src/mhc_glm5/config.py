@@ -28,10 +28,8 @@ from typing import Any
 
 from mhc_core.constants import VEC_BF16, WARP_SIZE
 from mhc_core.presets import (
-    CTA_RESERVED_SHARED_BYTES,
     MAX_CLUSTER_SIZE,
     MAX_SHARED_BYTES,
-    SM_REGISTERS,
     SM_SHARED_BYTES,
     PresetError,
     require,
@@ -155,35 +153,19 @@ def persistent_shared_bytes(hidden: int, cluster_size: int) -> int:
     return mma_shared_bytes(hidden, cluster_size, PERSISTENT_TOKENS, PERSISTENT_BUFFERS)
 
 
-#: The register budget per thread the persistent boundary's occupancy counts with (ptxas gives it
-#: 102-126 at the presets' shapes).
-PERSISTENT_REGISTERS = 128
-#: Its largest cluster: 16 CTAs, a non-portable size (the DSL allows it on every kernel).
-MAX_PERSISTENT_CLUSTER_SIZE = 16
-
-
-def persistent_ctas_per_sm(hidden: int, cluster_size: int) -> int:
-    """CTAs of the persistent boundary one SM holds, by shared memory and registers."""
-    threads = mma_threads(hidden, cluster_size)
-    by_shared = SM_SHARED_BYTES // (persistent_shared_bytes(hidden, cluster_size) + CTA_RESERVED_SHARED_BYTES)
-    return max(1, min(by_shared, SM_REGISTERS // (threads * PERSISTENT_REGISTERS)))
-
-
-def persistent_clusters(sms: int, hidden: int, cluster_size: int) -> int:
-    """Clusters of the persistent boundary the device holds at once, by SMs and CTAs per SM (what
-    the scheduler fits of a GPC's SMs may be fewer; the grid is correct with any count)."""
-    return max(1, sms * persistent_ctas_per_sm(hidden, cluster_size) // cluster_size)
+def persistent_clusters(sms: int, cluster_size: int) -> int:
+    """Clusters of the persistent boundary that the device holds at once: a CTA needs more than half
+    an SM's shared memory, so one per SM (what the scheduler fits of a GPC's SMs may be fewer; the
+    grid is correct with any count)."""
+    return max(1, sms // cluster_size)
 
 
 def persistent_fits(hidden: int, cluster_size: int) -> str | None:
     """Why the persistent boundary cannot serve this shape, or None when it can."""
-    fragments = hidden // VEC_BF16
-    if fragments % cluster_size or (fragments // cluster_size) % MMA_FRAGMENTS_PER_WARP:
-        return f"hidden / 8 / persistent_cluster_size = {fragments / cluster_size:g} must be a multiple of 4"
+    if (hidden // VEC_BF16 // cluster_size) % MMA_FRAGMENTS_PER_WARP:
+        return f"hidden / 8 / cluster_size = {hidden // VEC_BF16 // cluster_size} must be a multiple of 4"
     if mma_threads(hidden, cluster_size) > 1024:
         return f"one warp per 4 fragments needs {mma_threads(hidden, cluster_size)} threads > 1024"
-    if PERSISTENT_TOKENS * cluster_size > mma_threads(hidden, cluster_size):
-        return f"its second reduction needs {PERSISTENT_TOKENS} x cluster size threads"
     shared = persistent_shared_bytes(hidden, cluster_size)
     if shared > MAX_SHARED_BYTES:
         return f"its double-buffered groups need {shared} bytes of shared memory, more than {MAX_SHARED_BYTES}"
@@ -276,8 +258,6 @@ class GLM5Preset:
     #: Calls with at least this many tokens take the persistent boundary (0: never); above every
     #: ``cluster_tokens`` threshold.
     persistent_min_tokens: int = 0
-    #: The persistent boundary's CTAs per cluster (its own: smaller CTAs, two to an SM at 16).
-    persistent_cluster_size: int = 8
     #: Whether the geometry was measured on the preset's own target (False: a rule or another
     #: host's values; building the op logs a warning).
     tuned: bool = False
@@ -352,13 +332,9 @@ class GLM5Preset:
                 f"must be above every cluster_tokens threshold (the last is {last}), or 0",
                 self.persistent_min_tokens,
             )
-            require_int(
-                "persistent_cluster_size", self.persistent_cluster_size, minimum=1,
-                maximum=MAX_PERSISTENT_CLUSTER_SIZE,
-            )  # fmt: skip
-            unfit = persistent_fits(self.hidden, self.persistent_cluster_size)
-            require(unfit is None, "persistent_cluster_size", f"the persistent boundary does not fit: {unfit}",
-                    self.persistent_cluster_size)  # fmt: skip
+            unfit = persistent_fits(self.hidden, self.cluster_size)
+            require(unfit is None, "persistent_min_tokens", f"the persistent boundary does not fit: {unfit}; use 0",
+                    self.persistent_min_tokens)  # fmt: skip
         require_positive_float("rms_eps", self.rms_eps)
         require_positive_float("hc_eps", self.hc_eps)
         require_positive_float("post_mult", self.post_mult)
@@ -399,11 +375,9 @@ class GLM5Preset:
             **(
                 {
                     "persistent_min_tokens": self.persistent_min_tokens,
-                    "persistent_grid": (
-                        f"(min(ceil(M / {PERSISTENT_TOKENS}), clusters), {self.persistent_cluster_size}, 1)"
-                    ),
-                    "persistent_threads": mma_threads(self.hidden, self.persistent_cluster_size),
-                    "persistent_shared_bytes": persistent_shared_bytes(self.hidden, self.persistent_cluster_size),
+                    "persistent_grid": f"(min(ceil(M / {PERSISTENT_TOKENS}), clusters), {self.cluster_size}, 1)",
+                    "persistent_threads": mma_threads(self.hidden, self.cluster_size),
+                    "persistent_shared_bytes": persistent_shared_bytes(self.hidden, self.cluster_size),
                 }
                 if self.persistent_min_tokens
                 else {}
@@ -453,12 +427,7 @@ class GLM5Preset:
         if self.persistent_min_tokens:
             specs["boundary_persistent"] = (
                 MMA_KERNEL,
-                {
-                    **self.boundary_config(arch),
-                    "cluster_size": self.persistent_cluster_size,
-                    "tokens": PERSISTENT_TOKENS,
-                    "persistent": True,
-                },
+                {**self.boundary_config(arch), "tokens": PERSISTENT_TOKENS, "persistent": True},
             )
         specs["mixes"] = (
             "mhc_glm5.mixes:MixesKernel",

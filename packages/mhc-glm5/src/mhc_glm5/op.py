@@ -70,8 +70,6 @@ class AllReduceMhcBoundary(LamportOp):
         persistent_min_tokens: calls with at least this many tokens take the persistent
             boundary (``mhc_glm5.grouped_mma``: clusters looping over groups of 8 tokens);
             0 or None: never (presets set their measured value).
-        persistent_cluster_size: the persistent boundary's CTAs per cluster (up to 16: two
-            CTAs to an SM at hidden 4096); None: ``cluster_size``.
         clusters: the most clusters the persistent boundary launches. None: as many as the
             device holds at once (``mhc_glm5.config.persistent_clusters``).
         group, transport, spin_timeout_ms, check_routes: as ``mhc_core.LamportOp``.
@@ -96,7 +94,6 @@ class AllReduceMhcBoundary(LamportOp):
         publish_threads: int = 128,
         mixes_threads: int = 128,
         persistent_min_tokens: int | None = None,
-        persistent_cluster_size: int | None = None,
         clusters: int | None = None,
         spin_timeout_ms: float | None = None,
         check_routes: bool = False,
@@ -139,7 +136,6 @@ class AllReduceMhcBoundary(LamportOp):
                 publish_threads=publish_threads,
                 mixes_threads=mixes_threads,
                 persistent_min_tokens=0 if persistent_min_tokens is None else persistent_min_tokens,
-                persistent_cluster_size=cluster_size if persistent_cluster_size is None else persistent_cluster_size,
             )
         except PresetError as error:
             raise ValueError(f"{error.key}: {error.rule}; got {error.value!r}") from None
@@ -149,7 +145,7 @@ class AllReduceMhcBoundary(LamportOp):
         self.persistent_min_tokens = self.preset.persistent_min_tokens
         if clusters is None:
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            clusters = persistent_clusters(sms, hidden_size, self.preset.persistent_cluster_size)
+            clusters = persistent_clusters(sms, self.preset.cluster_size)
         self.clusters = clusters
         # The kernels the preset lists (what `nox -s build` compiles): one per tokens-per-cluster size,
         # and the persistent boundary.
@@ -196,7 +192,6 @@ class AllReduceMhcBoundary(LamportOp):
             cluster_size=preset.cluster_size,
             cluster_tokens=preset.cluster_tokens,
             persistent_min_tokens=options.pop("persistent_min_tokens", preset.persistent_min_tokens),
-            persistent_cluster_size=options.pop("persistent_cluster_size", preset.persistent_cluster_size),
             group=group,
             publish_threads=preset.publish_threads,
             mixes_threads=preset.mixes_threads,

@@ -41,7 +41,6 @@ PRESET = GLM5Preset(
     publish_threads=128,
     mixes_threads=128,
     persistent_min_tokens=256,
-    persistent_cluster_size=16,
     tuned=False,
     description="GB300, TP4: the seed's shape (8-CTA clusters)",
 )
@@ -55,9 +54,9 @@ GEOMETRY: dict[str, Any] = {
     "shared_bytes": 116736,
     "grouped_shared_bytes": {2: 11880, 4: 23760, 8: 154672, 16: 209360},
     "persistent_min_tokens": 256,
-    "persistent_grid": "(min(ceil(M / 8), clusters), 16, 1)",
-    "persistent_threads": 256,
-    "persistent_shared_bytes": 106680,
+    "persistent_grid": "(min(ceil(M / 8), clusters), 8, 1)",
+    "persistent_threads": 512,
+    "persistent_shared_bytes": 188600,
     "publish_grid": "(M, 4, 1)",
     "publish_threads": 128,
     "mixes_grid": "(ceil(M / 128), 1, 1)",
@@ -190,7 +189,7 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
             {
                 "hidden": 4096,
                 "tp": 4,
-                "cluster_size": 16,
+                "cluster_size": 8,
                 "rms_eps": 1e-06,
                 "hc_eps": 1e-06,
                 "norm_eps": 1e-05,
@@ -328,7 +327,7 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
             {
                 "hidden": 4096,
                 "tp": 4,
-                "cluster_size": 16,
+                "cluster_size": 8,
                 "rms_eps": 1e-06,
                 "hc_eps": 1e-06,
                 "norm_eps": 1e-05,
