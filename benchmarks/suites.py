@@ -258,7 +258,7 @@ def glm5_thresholds(
 
 
 #: ``glm5-persistent``'s cluster counts (None: ``mhc_glm5.config.persistent_clusters``, one per SM).
-PERSISTENT_CLUSTERS = (None, 15, 14, 12, 8)
+PERSISTENT_CLUSTERS = (None, 16, 14, 12, 8)
 
 
 def glm5_persistent(ctx: Context, ms: list[int], hidden: int = 4096) -> list[Record]:

@@ -246,7 +246,7 @@ def test_persistent_shared_memory_rule(workdir: Path, capsys: pytest.CaptureFixt
     from mhc_glm5.config import persistent_shared_bytes
 
     document = repo_presets()
-    apply(document, GLM, {"hidden": 8192, "cluster_tokens": [[16, 2]]})
+    apply(document, GLM, {"hidden": 8192, "cluster_tokens": [[16, 2]], "persistent_min_tokens": 256})
     assert run_bad(workdir, document, capsys) == [
         f"error: presets.toml: [{GLM}] key 'persistent_min_tokens': the persistent boundary does not fit: its "
         f"double-buffered groups need {persistent_shared_bytes(8192, 8)} bytes of shared memory, more than "

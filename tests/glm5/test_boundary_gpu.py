@@ -154,12 +154,20 @@ def test_every_tokens_per_cluster_with_short_last_group(name: str) -> None:
 def test_persistent_boundary_against_reference(name: str) -> None:
     """The persistent boundary at every M (3 clusters looping; short last groups; -0 inputs),
     plain calls (the direct read at tp = 1) and MoE input (the mailbox path)."""
+    from mhc_core.constants import LAMPORT_GENERATIONS, NEXT_STAGE
+
     ops = persistent_ops_for(name)
     assert all(op.persistent(1) for op in ops)
     generator = torch.Generator("cuda").manual_seed(sum(map(ord, name)) + 1)
-    for index, m in enumerate((1, 8 * LOOPING_CLUSTERS + 1, 8 * 2 * LOOPING_CLUSTERS + 7, CAPACITY)):
-        run_and_check(ops, m, generator, negative_zero=index == 1)
-    run_and_check(ops, 8 * 2 * LOOPING_CLUSTERS + 1, generator, moe_dtype=torch.float32)
+    cases = [(m, None) for m in (1, 8 * LOOPING_CLUSTERS + 1, 8 * 2 * LOOPING_CLUSTERS + 7, CAPACITY)]
+    for index, (m, moe_dtype) in enumerate([*cases, (8 * 2 * LOOPING_CLUSTERS + 1, torch.float32)]):
+        before = [int(op.mailbox.stage_state[NEXT_STAGE]) for op in ops]
+        run_and_check(ops, m, generator, negative_zero=index == 1, moe_dtype=moe_dtype)
+        # The mailbox path moves every rank's stage on once (its clusters' arrivals counted to the grid).
+        if ops[0].tp > 1 or moe_dtype is not None:
+            after = [int(op.mailbox.stage_state[NEXT_STAGE]) for op in ops]
+            assert after == [(stage + 1) % LAMPORT_GENERATIONS for stage in before], (m, before, after)
+        assert all(int(op._arrivals.item()) == 0 for op in ops)
 
 
 @pytest.mark.parametrize("tp", (1, 4))
@@ -253,13 +261,13 @@ def _ops_with_tokens(preset, tokens: int, capacity: int = 16) -> list:
     )
 
 
-@pytest.mark.parametrize("m", (1, 20, 40, 200, 300))
-def test_tp1_reads_x_without_a_publish(m: int) -> None:
+@pytest.mark.parametrize("m,persistent", [(1, False), (20, False), (40, False), (200, False), (300, True)])
+def test_tp1_reads_x_without_a_publish(m: int, persistent: bool) -> None:
     """At tp 1 a plain call launches no publish: the stage state does not move and the mailbox
     stays empty (-0). Its outputs are bitwise those of the mailbox path (publish + collect) on
-    the same inputs, -0 in x included. M = 1, 20, 40, 200, 300: the x1, x2, x8, x16 and persistent
-    kernels."""
-    op = ops_for("h200-tp1-h4096")[0]
+    the same inputs, -0 in x included. M = 1, 20, 40, 200: the x1, x2, x8 and x16 kernels; 300: the
+    persistent boundary."""
+    op = (persistent_ops_for if persistent else ops_for)("h200-tp1-h4096")[0]
     generator = torch.Generator("cuda").manual_seed(29 + m)
     args = boundary_inputs(m, op.hidden_size, generator, negative_zero=True)
     x = bf16_randn(m, op.hidden_size, generator=generator)
@@ -344,12 +352,13 @@ def test_twenty_chained_boundaries() -> None:
 
 
 @pytest.mark.parametrize("name", ("h200-tp1-h4096", "h200-tp2-h4096"))
-@pytest.mark.parametrize("m", (1, 33, 257))
-def test_cuda_graph_replays(m: int, name: str) -> None:
-    """tp 1: the boundary reads x itself (no publish in the graph); tp 2 (loopback): the mailbox."""
+@pytest.mark.parametrize("m,persistent", [(1, False), (33, False), (257, False), (257, True)])
+def test_cuda_graph_replays(m: int, persistent: bool, name: str) -> None:
+    """tp 1: the boundary reads x itself (no publish in the graph); tp 2 (loopback): the mailbox.
+    The persistent boundary: 3 clusters looping over 33 groups, replayed."""
     from mhc_core import reference
 
-    ops = ops_for(name)
+    ops = (persistent_ops_for if persistent else ops_for)(name)
     op = ops[0]
     generator = torch.Generator("cuda").manual_seed(m)
     partials = [torch.zeros(m, op.hidden_size, dtype=torch.bfloat16, device="cuda") for _ in ops]

@@ -148,7 +148,7 @@ def test_persistent_boundary_geometry() -> None:
     reductions = 8 * (2 * 20 + (16 + 8 + 1) * 25 + 16 + 8) * 4
     assert kernel.shared_bytes() == persistent_shared_bytes(4096, 8) == fn + staged + reductions <= MAX_SHARED_BYTES
     assert 2 * kernel.shared_bytes() > SM_SHARED_BYTES, "one CTA per SM: persistent_clusters counts so"
-    assert persistent_clusters(132, 8) == 16 and persistent_clusters(4, 8) == 1
+    assert persistent_clusters(132, 8) == 15 and persistent_clusters(4, 8) == 1
     sixteen = dataclasses.replace(boundary("sm_90a", 16).config, persistent=True)
     with pytest.raises(ValueError, match="tokens: the persistent boundary loops over groups of 8, got 16"):
         MmaGroupBoundaryKernel(sixteen)

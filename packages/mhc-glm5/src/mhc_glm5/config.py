@@ -155,9 +155,11 @@ def persistent_shared_bytes(hidden: int, cluster_size: int) -> int:
 
 def persistent_clusters(sms: int, cluster_size: int) -> int:
     """Clusters of the persistent boundary that the device holds at once: a CTA needs more than half
-    an SM's shared memory, so one per SM (what the scheduler fits of a GPC's SMs may be fewer; the
-    grid is correct with any count)."""
-    return max(1, sms // cluster_size)
+    an SM's shared memory, so one per SM, and one cluster fewer than SMs / cluster_size, as a cluster
+    must fit in one GPC (measured on the H200, 132 SMs: 16 clusters of 8 did not all fit, and the
+    last ran after the others, 105 us at M = 1024 against 66 with 15; BENCHMARKS.md, twelfth run).
+    The grid is correct with any count."""
+    return max(1, sms // cluster_size - 1)
 
 
 def persistent_fits(hidden: int, cluster_size: int) -> str | None:
