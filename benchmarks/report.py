@@ -17,15 +17,22 @@ def table(records) -> str:
     for (suite, tp), rows in by_suite.items():
         variants = list(dict.fromkeys(r.variant for r in rows))
         fused = next((v for v in variants if v.startswith(("fused", "lamport"))), None)
+        # At tp > 1 the fused rows also carry the floor with the mailbox traffic (``suites.mailbox_bytes``).
+        second = any(getattr(r, "mailbox_floor_us", None) is not None for r in rows)
+        extra = " floor with mailbox | fused / that |" if second else ""
         lines.append(f"\n{suite}, tp {tp} (median us per call, CUDA-graph replays)")
-        lines.append("| M | " + " | ".join(variants) + " | byte floor | fused / floor |")
-        lines.append("|" + "---|" * (len(variants) + 3))
+        lines.append("| M | " + " | ".join(variants) + " | byte floor | fused / floor |" + extra)
+        lines.append("|" + "---|" * (len(variants) + 3 + 2 * second))
         for m in sorted({r.m for r in rows}):
             at_m = {r.variant: r for r in rows if r.m == m}
             floor = next(iter(at_m.values())).floor_us
             cells = [f"{at_m[v].us:.1f}" if v in at_m else "" for v in variants]
             ratio = f"{at_m[fused].us / floor:.2f}" if fused in at_m else ""
-            lines.append(f"| {m} | " + " | ".join(cells) + f" | {floor:.1f} | {ratio} |")
+            line = f"| {m} | " + " | ".join(cells) + f" | {floor:.1f} | {ratio} |"
+            if second:
+                mailbox = getattr(at_m.get(fused), "mailbox_floor_us", None)
+                line += f" {mailbox:.1f} | {at_m[fused].us / mailbox:.2f} |" if mailbox else "  |  |"
+            lines.append(line)
     return "\n".join(lines)
 
 

@@ -30,6 +30,9 @@ class Record:
     variant: str
     us: float
     floor_us: float
+    #: At tp > 1, the floor with the mailbox bytes the protocol moves through this GPU's memory
+    #: (``mailbox_bytes``) added; None at tp = 1 (the direct read moves none).
+    mailbox_floor_us: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -134,6 +137,19 @@ def dsv41_inputs(m: int, hidden: int = 5120) -> tuple:
     return residual, post, comb, pre, bf16(hidden), 1e-6
 
 
+def mailbox_bytes(m: int, hidden: int, tp: int) -> int:
+    """What the Lamport protocol adds to one GPU's memory traffic per call at tp > 1: every rank's
+    BF16 slot of each token written into this GPU's mailbox, read by its collective and re-armed
+    with -0 (3 x tp x M x hidden x 2 bytes; the token-count headers, 16 bytes per rank, left out).
+    The (tp - 1) x M x hidden x 2 bytes each rank sends over NVLink are another link's, not counted."""
+    return 3 * tp * m * hidden * 2 if tp > 1 else 0
+
+
+def mailbox_floor(ctx: Context, floor_bytes: int, m: int, hidden: int) -> float | None:
+    """The second floor at tp > 1 (``Record.mailbox_floor_us``)."""
+    return (floor_bytes + mailbox_bytes(m, hidden, ctx.tp)) / ctx.bandwidth if ctx.tp > 1 else None
+
+
 def dsv41_bytes(m: int, hidden: int) -> int:
     """x, the hc streams in and out, the layer input, post / comb / pre, the norm weight once."""
     return 2 * m * hidden * (1 + 2 * HC + 1) + 2 * hidden + 4 * m * (2 * HC + HC * HC)
@@ -155,7 +171,8 @@ def dsv41_suite(ctx: Context, ms: list[int], hidden: int = 5120) -> list[Record]
     records = []
     for m in ms:
         fused, floor, x, args = _time_dsv41(ctx, op, m, hidden)
-        records.append(Record("dsv41", ctx.tp, m, "fused AllReduceMHC", fused, floor))
+        second = mailbox_floor(ctx, dsv41_bytes(m, hidden), m, hidden)
+        records.append(Record("dsv41", ctx.tp, m, "fused AllReduceMHC", fused, floor, second))
         records += _boundary_baselines(ctx, "dsv41", m, hidden, x, args, floor)
     return records
 
@@ -226,7 +243,8 @@ def glm5_suite(ctx: Context, ms: list[int], hidden: int = 4096) -> list[Record]:
             return outputs
 
         label = f"fused AllReduceMhcBoundary (x{op.tokens_per_cluster(m)})"
-        records.append(Record("glm5", ctx.tp, m, label, ctx.time(fused), floor))
+        second = mailbox_floor(ctx, glm5_bytes(m, hidden), m, hidden)
+        records.append(Record("glm5", ctx.tp, m, label, ctx.time(fused), floor, second))
         records += _boundary_baselines(ctx, "glm5", m, hidden, x, args, floor)
     return records
 

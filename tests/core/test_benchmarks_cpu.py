@@ -1,5 +1,6 @@
-"""The benchmark tools' host side without a GPU: the A/B table and its argument checks; the
-glm5-overlap suite's registration, GEMM shape, variants (traced on fake tensors), order check and table."""
+"""The benchmark tools' host side without a GPU: the A/B table and its argument checks; the tp > 1
+floor with the mailbox bytes; the glm5-overlap suite's registration, GEMM shape, variants (traced on
+fake tensors), order check and table; the persistent GLM suite's registration."""
 
 from __future__ import annotations
 
@@ -33,6 +34,31 @@ def test_ab_refuses_fewer_than_two_trees(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "benchmarks.ab", "--tree", f"one={tmp_path}"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
     assert done.returncode == 2 and "expected two or more TAG=DIR" in done.stderr
+
+
+def test_mailbox_floor_counts_every_ranks_slots_three_times() -> None:
+    """At tp > 1 the second floor adds each rank's slot written into this GPU's mailbox, read and
+    re-armed (3 x tp x M x hidden x 2 bytes); the table shows it beside the first for fused rows."""
+    from types import SimpleNamespace
+
+    from benchmarks.report import table
+    from benchmarks.suites import Record, mailbox_bytes, mailbox_floor
+
+    assert mailbox_bytes(4, 5120, 1) == 0 and mailbox_bytes(4, 5120, 2) == 3 * 2 * 4 * 5120 * 2
+    context = SimpleNamespace(tp=2, bandwidth=1000.0)
+    assert mailbox_floor(context, 1000, 4, 5120) == (1000 + 3 * 2 * 4 * 5120 * 2) / 1000.0
+    assert mailbox_floor(SimpleNamespace(tp=1, bandwidth=1000.0), 1000, 4, 5120) is None
+    records = [Record("dsv41", 2, 8, "fused AllReduceMHC", 20.0, 5.0, 10.0), Record("dsv41", 2, 8, "eager", 90.0, 5.0)]
+    text = table(records)
+    assert "| byte floor | fused / floor | floor with mailbox | fused / that |" in text
+    assert "| 8 | 20.0 | 90.0 | 5.0 | 4.00 | 10.0 | 2.00 |" in text
+    assert "floor with mailbox" not in table([Record("dsv41", 1, 8, "fused AllReduceMHC", 2.0, 1.0)])
+
+
+def test_persistent_glm_suite_is_registered() -> None:
+    from benchmarks.run import RUNNERS, SUITES
+
+    assert "glm5-persistent" in SUITES and RUNNERS["glm5-persistent"].__name__ == "glm5_persistent"
 
 
 def test_host_table_pairs_host_and_wall() -> None:

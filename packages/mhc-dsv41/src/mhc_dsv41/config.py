@@ -60,10 +60,10 @@ def default_geometry(hidden: int, hc: int, tp: int) -> dict[str, int]:
     return {"cluster_size": cluster_size, "threads": DEFAULT_THREADS, "rank_lanes": DEFAULT_RANK_LANES}
 
 
-#: Calls with at least this many tokens take the persistent collective (BENCHMARKS.md, eleventh
-#: run: the one-token collective 6 % faster at M = 256, the persistent one 3 % faster at 384 and 12 %
-#: at 512, one run; 512 until alternating runs place the crossover).
-PERSISTENT_MIN_TOKENS = 512
+#: Calls with at least this many tokens take the persistent collective (BENCHMARKS.md, eleventh and
+#: twelfth runs, three runs in all on the H200: the one-token collective 3-6 % faster at M = 256
+#: and 11 % at 320, the persistent one 3-5 % faster at 384, 2 % at 448 and 12 % at 512).
+PERSISTENT_MIN_TOKENS = 384
 #: Registers per thread the collective stays within (a CPU test compiles every preset's and checks):
 #: what the default number of persistent clusters assumes.
 COLLECTIVE_REGISTERS = 160

@@ -50,7 +50,7 @@ GEOMETRY: dict[str, Any] = {
     "trips": 1,
     "last_trip_fragments": 640,
     "shared_bytes": 56,
-    "persistent_min_tokens": 512,
+    "persistent_min_tokens": 384,
     "persistent_grid": "(min(M, clusters), 5, 1)",
     "persistent_shared_bytes": 16664,
     "publish_grid": "(M, 5, 1)",
