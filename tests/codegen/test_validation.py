@@ -249,7 +249,7 @@ def test_persistent_shared_memory_rule(workdir: Path, capsys: pytest.CaptureFixt
     apply(document, GLM, {"hidden": 8192, "cluster_tokens": [[16, 2]], "persistent_min_tokens": 256})
     assert run_bad(workdir, document, capsys) == [
         f"error: presets.toml: [{GLM}] key 'persistent_min_tokens': the persistent boundary does not fit: its "
-        f"double-buffered groups need {persistent_shared_bytes(8192, 8)} bytes of shared memory, more than "
+        f"buffered groups need {persistent_shared_bytes(8192, 8)} bytes of shared memory, more than "
         "232448; use 0; got 256"
     ]
 

@@ -116,27 +116,37 @@ def test_tensor_core_boundary(arch: str, tokens: int, tp: int) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("tp", (1, 8))
 def test_persistent_boundary(arch: str, tp: int) -> None:
-    """The tensor-core kernel looping over groups of 8: fn staged once, each group's streams by
-    bulk copies into one of two buffers (the first group's in the prologue, the next ones' in the
-    loop) on a barrier per buffer waited on by parity, post / comb by 4-byte copies one group
-    ahead, the buffers' generic accesses fenced from the next bulk copies; one poll and one MMA
-    loop, the PDL trigger once (in the cluster's last group), the stage moved on once."""
+    """The tensor-core kernel looping over groups of 8, software pipelined: the first group's work
+    before the loop and each later group's in it (the group's front traced twice: its poll, its
+    next group's copies, its waits, post-mix and MMA), then the last group's collapse after it. fn
+    staged once; three stream buffers, each on its own mbarrier waited on by parity; post / comb by
+    4-byte copies one group ahead (one cp.async group per front, real or empty); one cluster barrier
+    per group in the loop (values and the group before's squares), one before it and one after; the
+    stage moved on once."""
     import re
 
     ptx = compiled(boundary(arch, 8, tp, persistent=True), arch)
-    check_protocol(ptx)
-    assert count(ptx, BULK_COPY) == 3, "fn, the first group's streams, the next group's"
-    assert count(ptx, "mbarrier.init.shared") == 3 and count(ptx, "expect_tx") == 3
-    assert count(ptx, "mbarrier.try_wait.parity") == 2, "this group's streams, fn"
-    assert count(ptx, MMA) == 4 * 3 * 2
-    assert count(ptx, "cp.async.wait_group \t1;") == 1 and count(ptx, "cp.async.commit_group") == 3
-    assert count(ptx, "fence.proxy.async.shared::cta") == 1
+    assert polls_volatile_in_loop(ptx)
+    assert count(ptx, "ld.volatile.global.v2.u32") == 1, "the stage and the error word, read once"
+    assert count(ptx, "ld.volatile.global.u32") == 2, "the error word again: the poll of each front"
+    assert count(ptx, BULK_COPY) == 4, "fn, the first group's streams, the next group's (each front)"
+    assert count(ptx, "mbarrier.init.shared") == 4 and count(ptx, "expect_tx") == 4
+    assert count(ptx, "mbarrier.try_wait.parity") == 4, "this group's streams and fn, in each front"
+    assert count(ptx, MMA) == 2 * 4 * 3 * 2
+    assert count(ptx, "cp.async.wait_group \t1;") == 2 and count(ptx, "cp.async.commit_group") == 5
+    assert count(ptx, "fence.proxy.async.shared::cta") == 1, "the collapsed buffer, before the next copies"
+    assert count(ptx, "barrier.cluster.arrive") == 3 and count(ptx, "barrier.cluster.wait") == 3
+    # The PDL wait: in the no-prefetch / direct branch, and before each collapse's output stores.
+    assert count(ptx, "griddepcontrol.wait") == 3 and count(ptx, "griddepcontrol.launch_dependents") == 2
+    assert count(ptx, "atom.acq_rel.gpu.global.add.u32") == 1, "the cluster arrives once"
+    assert ptx.rindex("griddepcontrol.wait") < ptx.index("atom.acq_rel.gpu"), "arrivals after the wait"
+    assert count(ptx, ".release.gpu") == 0 and count(ptx, "membar") == 0 and count(ptx, "fence.acq_rel") == 0
     assert re.search(r"mov\.u32\s+%r\d+, %nctaid\.x;", ptx), "the loop's stride: the grid"
 
 
 def test_persistent_boundary_geometry() -> None:
-    """Two buffers of 8 tokens' streams and mix inputs beside fn; the op launches min(groups,
-    clusters) clusters; only groups of 8 loop."""
+    """Three buffers of 8 tokens' streams, two of mix inputs and two halves of the peers' slots beside
+    fn; the op launches min(groups, clusters) clusters; only groups of 8 loop."""
     import dataclasses
 
     from mhc_glm5.config import MAX_SHARED_BYTES, SM_SHARED_BYTES, persistent_clusters, persistent_shared_bytes
@@ -144,8 +154,8 @@ def test_persistent_boundary_geometry() -> None:
 
     kernel = boundary("sm_90a", 8, persistent=True)
     fn = 96 * (64 * 16 + 16) + 8 + 128
-    staged = 2 * (8 + 8 * 4 * (64 * 16 + 16))
-    reductions = 8 * (2 * 20 + (16 + 8 + 1) * 25 + 16 + 8) * 4
+    staged = 3 * (8 + 8 * 4 * (64 * 16 + 16))  # three groups' streams, each with its mbarrier
+    reductions = 8 * (2 * 20 + (16 + 2 * 8 + 1) * 25 + 16 + 2 * 8) * 4  # two mix buffers, two peer halves
     assert kernel.shared_bytes() == persistent_shared_bytes(4096, 8) == fn + staged + reductions <= MAX_SHARED_BYTES
     assert 2 * kernel.shared_bytes() > SM_SHARED_BYTES, "one CTA per SM: persistent_clusters counts so"
     assert persistent_clusters(132, 8) == 15 and persistent_clusters(4, 8) == 1

@@ -58,11 +58,13 @@ MIX_INPUTS = HC + HC * HC
 MAX_FFMA_TOKENS = 4
 #: Tokens per cluster of the tensor-core kernel: one or two halves of 8 tokens per warp.
 MMA_TOKENS = (8, 16)
-#: Tokens per group of the persistent boundary: one MMA half, so that two groups' residual
-#: streams (the one computed and the one copied ahead) fit in shared memory beside ``fn``.
+#: Tokens per group of the persistent boundary: one MMA half, so that three groups' residual
+#: streams fit in shared memory beside ``fn``.
 PERSISTENT_TOKENS = MMA_TOKENS[0]
-#: Its buffers of streams and mix inputs: the group computed and the one copied ahead.
-PERSISTENT_BUFFERS = 2
+#: Its buffers of streams: the group post-mixed, the group before (collapsed meanwhile) and the next
+#: (copied meanwhile); of mix inputs: the group post-mixed and the next.
+PERSISTENT_BUFFERS = 3
+PERSISTENT_MIX_BUFFERS = 2
 #: With more than 2 tokens per cluster the CUDA-core grouped kernel needs ~250 registers per
 #: thread: ptxas spills it at 288 threads (hidden 4608, cluster 8), not at 256.
 GROUPED_MAX_THREADS = 256
@@ -138,19 +140,27 @@ def mma_threads(hidden: int, cluster_size: int) -> int:
     return hidden // VEC_BF16 // cluster_size // MMA_FRAGMENTS_PER_WARP * WARP_SIZE
 
 
-def mma_shared_bytes(hidden: int, cluster_size: int, tokens: int, buffers: int = 1) -> int:
-    """Tensor-core kernel: the staged ``fn``, ``buffers`` sets of residual streams (one row per token
-    and source, padded like the ``fn`` rows) with their mbarriers and mix inputs, reductions."""
+def mma_shared_bytes(hidden: int, cluster_size: int, tokens: int) -> int:
+    """Tensor-core kernel: the staged ``fn``, the residual streams (one row per token and source,
+    padded like the ``fn`` rows) and their mbarrier, mix inputs, reductions."""
     fragments = hidden // VEC_BF16 // cluster_size
     warps = mma_threads(hidden, cluster_size) // WARP_SIZE
-    staged = buffers * (FN_BARRIER_BYTES + tokens * HC * fn_chunk_words(fragments, FN_ROTATION_ROWS) * 4)
-    floats = tokens * (buffers * MIX_INPUTS + (warps + cluster_size + 1) * VALUES + warps + cluster_size)
+    staged = FN_BARRIER_BYTES + tokens * HC * fn_chunk_words(fragments, FN_ROTATION_ROWS) * 4
+    floats = tokens * (MIX_INPUTS + (warps + cluster_size + 1) * VALUES + warps + cluster_size)
     return fn_stage_bytes(fragments, FN_ROTATION_ROWS) + staged + floats * 4
 
 
 def persistent_shared_bytes(hidden: int, cluster_size: int) -> int:
-    """The persistent boundary: the tensor-core kernel's at ``PERSISTENT_TOKENS``, double-buffered."""
-    return mma_shared_bytes(hidden, cluster_size, PERSISTENT_TOKENS, PERSISTENT_BUFFERS)
+    """The persistent boundary: the staged ``fn``, ``PERSISTENT_BUFFERS`` groups' streams with their
+    mbarriers, ``PERSISTENT_MIX_BUFFERS`` groups' mix inputs, reductions with two halves of the
+    peers' slots (``ClusterSums.half``)."""
+    fragments = hidden // VEC_BF16 // cluster_size
+    warps = mma_threads(hidden, cluster_size) // WARP_SIZE
+    tokens = PERSISTENT_TOKENS
+    staged = PERSISTENT_BUFFERS * (FN_BARRIER_BYTES + tokens * HC * fn_chunk_words(fragments, FN_ROTATION_ROWS) * 4)
+    mixes = PERSISTENT_MIX_BUFFERS * MIX_INPUTS
+    floats = tokens * (mixes + (warps + 2 * cluster_size + 1) * VALUES + warps + 2 * cluster_size)
+    return fn_stage_bytes(fragments, FN_ROTATION_ROWS) + staged + floats * 4
 
 
 def persistent_clusters(sms: int, cluster_size: int) -> int:
@@ -170,7 +180,7 @@ def persistent_fits(hidden: int, cluster_size: int) -> str | None:
         return f"one warp per 4 fragments needs {mma_threads(hidden, cluster_size)} threads > 1024"
     shared = persistent_shared_bytes(hidden, cluster_size)
     if shared > MAX_SHARED_BYTES:
-        return f"its double-buffered groups need {shared} bytes of shared memory, more than {MAX_SHARED_BYTES}"
+        return f"its buffered groups need {shared} bytes of shared memory, more than {MAX_SHARED_BYTES}"
     return None
 
 

@@ -66,6 +66,7 @@ from .config import (
     MMA_FRAGMENTS_PER_WARP,
     MMA_TOKENS,
     PERSISTENT_BUFFERS,
+    PERSISTENT_MIX_BUFFERS,
     PERSISTENT_TOKENS,
     VALUES,
     fn_chunk_words,
@@ -198,7 +199,7 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
                 fn_stage.wait(staged_barrier)
             squares[h] = self.post_mix_half(kept[h], staged, mix_inputs + t * MIX_INPUTS, t, local, q, from_x, poisoned)
         self.gemv_to_cluster(staged, fn_staged, fn_barrier, sums, squares, warp, local, g, q)
-        self.epilogue(args, staged, sums, gamma_words, first, last, warp, lane_id, local, first_fragment, g, q, False)
+        self.epilogue(args, staged, sums, gamma_words, first, last, warp, lane_id, local, first_fragment, g, q)
         stages.finish(
             tidx, args.stage_state, args.arrivals, stage, stages.group_count(args.m, tokens), cluster_rank, polled,
             poisoned,
@@ -207,9 +208,12 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
     @cute.jit
     def persistent_body(self, args: BoundaryArgs):
         """Cluster ``c`` of ``clusters`` (the grid) takes groups ``c, c + clusters, ...`` of
-        ``PERSISTENT_TOKENS`` tokens (one half): ``fn`` and the weight are loaded once; group ``i``'s
-        streams and mix inputs land in buffer ``i % 2`` while group ``i - 1`` computes, and its x
-        (a direct read) in registers one group ahead."""
+        ``PERSISTENT_TOKENS`` tokens (one half). ``fn`` and the weight are loaded once. Software
+        pipelined over groups, one cluster barrier per group: while group ``k`` is post-mixed and
+        multiplied, group ``k - 1`` is collapsed, and one barrier carries group ``k``'s 25 values and
+        group ``k - 1``'s sums of squares (the peers' slots alternate halves, ``ClusterSums.half``).
+        Group ``k + 1``'s streams land in a third buffer (``PERSISTENT_BUFFERS``) and its mix inputs
+        in a second one meanwhile; its x (a direct read) is read into registers one group ahead."""
         config = self.config
         hidden, tp, cluster, tokens = config.hidden, config.tp, config.cluster_size, config.tokens
         fragments, threads = config.groups_per_cta, self.block_threads()
@@ -234,12 +238,15 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         fn_staged, fn_barrier = fn_stage.allocate(smem, fragments, FN_ROTATION_ROWS)
         staged_barriers = smem.allocate_array(Int64, PERSISTENT_BUFFERS, byte_alignment=8)
         staged_buffers = smem.allocate_array(Uint32, PERSISTENT_BUFFERS * stream_words, byte_alignment=16)
-        mix_buffers = smem.allocate_array(Float32, PERSISTENT_BUFFERS * tokens * MIX_INPUTS)
-        sums = stages.ClusterSums.allocate(smem, tidx, cluster_rank, tokens, warps, cluster, token_major=False)
+        mix_buffers = smem.allocate_array(Float32, PERSISTENT_MIX_BUFFERS * tokens * MIX_INPUTS)
+        sums = stages.ClusterSums.allocate(
+            smem, tidx, cluster_rank, tokens, warps, cluster, token_major=False, halves=2
+        )
 
         stage, poisoned = stages.begin(args.prefetch, from_x, args.stage_state)
         fn_stage.arm(staged_barriers, stream_bytes)
-        fn_stage.init_idle(staged_barriers + 1)
+        for buffer in cutlass.range_constexpr(1, PERSISTENT_BUFFERS):
+            fn_stage.init_idle(staged_barriers + buffer)
         fn_stage.arm(fn_barrier, fn_stage.slice_bytes(fragments))
         cute.arch.barrier()
         # The first group's inputs, then fn (as the tensor-core kernel orders them).
@@ -256,57 +263,121 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
 
         mailbox_base = args.mailbox.iterator.toint()
         polled = Boolean(True)
+        if from_x:
+            polled = Boolean(False)
         kept = cute.make_rmem_tensor(cute.make_layout((LANE_FRAGMENTS, tp, 4), stride=(tp * 4, 4, 1)), Uint32)
         squares = cute.make_rmem_tensor(cute.make_layout((1,)), Float32)
-        iteration = Int32(0)
-        for group in range(first_group, groups, clusters):
-            buffer = iteration % PERSISTENT_BUFFERS
-            staged = staged_buffers + buffer * stream_words
-            first = group * tokens
-            # The next group's streams and mix inputs into the other buffer (free: the group before
-            # finished with it), and its x into registers. Its mix inputs are always a cp.async group
-            # (an empty one past the last group), so that one group stays in flight below.
-            following = group + clusters
-            other = (iteration + 1) % PERSISTENT_BUFFERS
-            if following < groups:
-                fn_stage.expect(staged_barriers + other, stream_bytes)
-                cute.arch.sync_warp()
-                self.copy_streams(
-                    args, staged_buffers + other * stream_words, staged_barriers + other, following * tokens, last,
-                    cluster_rank,
-                )  # fmt: skip
-                stages.stage_mix_inputs(
-                    tidx, args.post, args.comb, mix_buffers + other * (tokens * MIX_INPUTS), following * tokens, last,
-                    tokens, threads, True,
-                )  # fmt: skip
-            else:
-                cute.arch.cp_async_commit_group()
-            if from_x:
-                kept.store(ahead.load())
-                self.load_x_words(args, ahead, following * tokens + g, last, first_fragment, q)
-            token = first + g
-            if from_x:
-                polled = Boolean(False)
-            else:
-                counter = stages.counts_tokens(group, cluster_rank, tidx, args.spin_limit_ns)
-                poisoned = self.poll_half(
-                    args, kept, mailbox_base, stage, token, token <= last, first_fragment + q, poisoned, counter, tp > 1
-                )
-            if following >= groups:
-                cute.arch.griddepcontrol_launch_dependents()  # this cluster's last poll is done
-            # This group's mix inputs landed (the next group's may be in flight) and are visible to all;
-            # its streams' bulk copies complete its buffer's barrier phase.
-            cute.arch.cp_async_wait_group(1)
+        # The group before's collapsed words and post-mixed streams (stored after the barrier's arrive).
+        prenorm = cute.make_rmem_tensor(
+            cute.make_layout((1, LANE_FRAGMENTS, 4), stride=(LANE_FRAGMENTS * 4, 4, 1)), Uint32
+        )
+        held = cute.make_rmem_tensor(cute.make_layout((LANE_FRAGMENTS, HC, 4), stride=(HC * 4, 4, 1)), Uint32)
+
+        # Group 0 of this cluster: its values alone.
+        poisoned = self.persistent_front(
+            args, Int32(0), first_group, clusters, groups, last, staged_buffers, staged_barriers, mix_buffers,
+            fn_staged, fn_barrier, sums.half(Int32(0), Int32(1)), kept, ahead, squares, mailbox_base, stage,
+            poisoned, from_x, first_fragment, cluster_rank, tidx, warp, local, g, q,
+        )  # fmt: skip
+        cute.arch.barrier()
+        sums.send_values()
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        sums.cluster_totals()
+        self.write_raw_mixes(args, sums, first, last, warp, lane_id)
+        previous = first
+        iteration = Int32(1)
+        for group in range(first_group + clusters, groups, clusters):
+            halves = sums.half(iteration % 2, (iteration + 1) % 2)
+            poisoned = self.persistent_front(
+                args, iteration, group, clusters, groups, last, staged_buffers, staged_barriers, mix_buffers,
+                fn_staged, fn_barrier, halves, kept, ahead, squares, mailbox_base, stage, poisoned, from_x,
+                first_fragment, cluster_rank, tidx, warp, local, g, q,
+            )  # fmt: skip
+            # The group before: collapsed from its buffer, which bulk copies overwrite next.
+            before = staged_buffers + ((iteration + PERSISTENT_BUFFERS - 1) % PERSISTENT_BUFFERS) * stream_words
+            self.collapse(args, before, halves, previous, last, warp, local, g, q, prenorm, held)
+            cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier()
-            fn_stage.wait(staged_barriers + buffer, (iteration // PERSISTENT_BUFFERS) % 2)
-            mix_inputs = mix_buffers + buffer * (tokens * MIX_INPUTS)
-            squares[0] = self.post_mix_half(kept, staged, mix_inputs + g * MIX_INPUTS, g, local, q, from_x, poisoned)
-            self.gemv_to_cluster(staged, fn_staged, fn_barrier, sums, squares, warp, local, g, q)
-            self.epilogue(
-                args, staged, sums, gamma_words, first, last, warp, lane_id, local, first_fragment, g, q, True
-            )
+            halves.send_values()
+            halves.send_squares()
+            cute.arch.cluster_arrive()
+            self.store_held(args, held, previous + g, last, first_fragment + q)
+            cute.arch.cluster_wait()
+            halves.cluster_totals()
+            self.write_raw_mixes(args, halves, group * tokens, last, warp, lane_id)
+            self.store_layer_input(args, halves, prenorm, gamma_words, previous, last, first_fragment, g, q)
+            previous = group * tokens
             iteration = iteration + 1
+        # The last group: its squares alone.
+        final = sums.half(iteration % 2, (iteration + 1) % 2)
+        before = staged_buffers + ((iteration + PERSISTENT_BUFFERS - 1) % PERSISTENT_BUFFERS) * stream_words
+        self.collapse(args, before, final, previous, last, warp, local, g, q, prenorm, held)
+        cute.arch.barrier()
+        final.send_squares()
+        cute.arch.cluster_arrive()
+        self.store_held(args, held, previous + g, last, first_fragment + q)
+        cute.arch.cluster_wait()
+        self.store_layer_input(args, final, prenorm, gamma_words, previous, last, first_fragment, g, q)
         stages.finish(tidx, args.stage_state, args.arrivals, stage, clusters, cluster_rank, polled, poisoned)
+
+    @cute.jit
+    def persistent_front(
+        self, args: BoundaryArgs, iteration: Int32, group: Int32, clusters: Int32, groups: Int32, last: Int32,
+        staged_buffers: cute.Pointer, staged_barriers: cute.Pointer, mix_buffers: cute.Pointer,
+        fn_staged: cute.Pointer, fn_barrier: cute.Pointer, sums: stages.ClusterSums, kept: cute.Tensor,
+        ahead: cute.Tensor, squares: cute.Tensor, mailbox_base: Int64, stage: Uint32, poisoned: Boolean,
+        from_x: Boolean, first_fragment: Int32, cluster_rank: Int32, tidx: Int32, warp: Int32, local: Int32,
+        g: Int32, q: Int32,
+    ) -> Boolean:  # fmt: skip
+        """The persistent loop's work on group ``iteration`` of this cluster up to its warps' sums:
+        the next group's copies started, x (one group ahead) or the poll, this group's inputs waited
+        for, the post-mix and the GEMV. Returns whether the op is poisoned."""
+        config = self.config
+        tokens, fragments = config.tokens, config.groups_per_cta
+        stream_words = tokens * HC * fn_chunk_words(fragments, FN_ROTATION_ROWS)
+        buffer = iteration % PERSISTENT_BUFFERS
+        staged = staged_buffers + buffer * stream_words
+        first = group * tokens
+        # The next group's streams into the buffer the group before last used (collapsed by now), its
+        # mix inputs into the other mix buffer. Its mix inputs are always a cp.async group (an empty
+        # one past the last group), so that one group stays in flight below.
+        following = group + clusters
+        other = (iteration + 1) % PERSISTENT_BUFFERS
+        if following < groups:
+            fn_stage.expect(staged_barriers + other, tokens * HC * fragments * 16)
+            cute.arch.sync_warp()
+            self.copy_streams(
+                args, staged_buffers + other * stream_words, staged_barriers + other, following * tokens, last,
+                cluster_rank,
+            )  # fmt: skip
+            stages.stage_mix_inputs(
+                tidx, args.post, args.comb,
+                mix_buffers + ((iteration + 1) % PERSISTENT_MIX_BUFFERS) * (tokens * MIX_INPUTS),
+                following * tokens, last, tokens, self.block_threads(), True,
+            )  # fmt: skip
+        else:
+            cute.arch.cp_async_commit_group()
+        if from_x:
+            kept.store(ahead.load())
+            self.load_x_words(args, ahead, following * tokens + g, last, first_fragment, q)
+        else:
+            counter = stages.counts_tokens(group, cluster_rank, tidx, args.spin_limit_ns)
+            poisoned = self.poll_half(
+                args, kept, mailbox_base, stage, first + g, first + g <= last, first_fragment + q, poisoned, counter,
+                config.tp > 1,
+            )  # fmt: skip
+        if following >= groups:
+            cute.arch.griddepcontrol_launch_dependents()  # this cluster's last poll is done
+        # This group's mix inputs landed (the next group's may be in flight) and are visible to all;
+        # its streams' bulk copies complete its buffer's barrier phase.
+        cute.arch.cp_async_wait_group(1)
+        cute.arch.barrier()
+        fn_stage.wait(staged_barriers + buffer, (iteration // PERSISTENT_BUFFERS) % 2)
+        mix_inputs = mix_buffers + (iteration % PERSISTENT_MIX_BUFFERS) * (tokens * MIX_INPUTS)
+        squares[0] = self.post_mix_half(kept, staged, mix_inputs + g * MIX_INPUTS, g, local, q, from_x, poisoned)
+        self.gemv_partials(staged, fn_staged, fn_barrier, sums, squares, warp, local, g, q)
+        return poisoned
 
     # ------------------------------------------------------------ stages
     @cute.jit
@@ -405,6 +476,15 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
     ):  # fmt: skip
         """The GEMV on tensor cores and the warps' 24 x tokens sums and sums of squares, reduced over
         the cluster into ``sums.totals``."""
+        self.gemv_partials(staged, fn_staged, fn_barrier, sums, squares, warp, local, g, q)
+        sums.values_to_cluster()
+
+    @cute.jit
+    def gemv_partials(
+        self, staged: cute.Pointer, fn_staged: cute.Pointer, fn_barrier: cute.Pointer, sums: stages.ClusterSums,
+        squares: cute.Tensor, warp: Int32, local: Int32, g: Int32, q: Int32,
+    ):  # fmt: skip
+        """The GEMV on tensor cores; the warps' 24 x tokens sums and sums of squares into ``sums.warp``."""
         config = self.config
         tokens, fragments = config.tokens, config.groups_per_cta
         halves = tokens // TOKENS_PER_HALF
@@ -438,7 +518,6 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
             if q == Int32(0):
                 t = h * TOKENS_PER_HALF + g
                 cute.arch.store((sums.warp + (warp * tokens + t) * VALUES + MIX).llvm_ptr, squares[h])
-        sums.values_to_cluster()
 
     @cute.jit
     def store_streams(self, args: BoundaryArgs, token: Int32, last: Int32, fragment: Int32, streams: list):
@@ -450,34 +529,57 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
                 stages.store_fragment(args.residual_out, element, streams[j])
 
     @cute.jit
+    def store_held(self, args: BoundaryArgs, held: cute.Tensor, token: Int32, last: Int32, fragment: Int32):
+        """``collapse``'s held streams of the lane's fragments of ``token`` into ``residual_out``."""
+        for k in cutlass.range_constexpr(LANE_FRAGMENTS):
+            streams = [held[k, j, None].load() for j in range(HC)]
+            self.store_streams(args, token, last, fragment + k * HC, streams)
+
+    @cute.jit
     def epilogue(
         self, args: BoundaryArgs, staged: cute.Pointer, sums: stages.ClusterSums, gamma_words: cute.Tensor,
         first: Int32, last: Int32, warp: Int32, lane_id: Int32, local: Int32, first_fragment: Int32, g: Int32,
-        q: Int32, reuses_staged: cutlass.Constexpr[bool],
+        q: Int32,
     ):  # fmt: skip
-        """The raw mixes handed off (CTA 0, one warp per token), the PDL wait, then per token
-        ``residual_out`` from ``staged``, the collapse, the cluster's sum of squares and the
-        normalised layer input. ``reuses_staged`` (the persistent loop): bulk copies overwrite
-        ``staged`` next, so this thread's shared-memory accesses are fenced from them first, and
-        ``residual_out`` is stored from registers after the cluster barrier's arrive, whose release
-        would otherwise wait until those stores are acknowledged (once per group)."""
+        """The raw mixes handed off, the PDL wait, then per token ``residual_out`` from ``staged``, the
+        collapse, the cluster's sum of squares and the normalised layer input."""
         config = self.config
-        hidden, tokens, fragments = config.hidden, config.tokens, config.groups_per_cta
-        halves = tokens // TOKENS_PER_HALF
-        warps = self.block_threads() // WARP_SIZE
-        cluster_rank = sums.cluster_rank
-        for trip in cutlass.range_constexpr(-(-tokens // warps)):
-            t = warp + trip * warps
-            if (cluster_rank == 0) & (lane_id == 0) & (t < Int32(tokens)) & (first + t <= last):
-                rstd = stages.mixes_rstd(sums.totals + t * VALUES, hidden, config.rms_eps)
-                stages.write_raw_mixes(sums.totals + t * VALUES, rstd, args.mixes_out, first + t)
-        cute.arch.griddepcontrol_wait()
-        hc_eps = Float32(config.hc_eps)
+        halves = config.tokens // TOKENS_PER_HALF
+        self.write_raw_mixes(args, sums, first, last, warp, lane_id)
         prenorm = cute.make_rmem_tensor(
             cute.make_layout((halves, LANE_FRAGMENTS, 4), stride=(LANE_FRAGMENTS * 4, 4, 1)), Uint32
         )
-        # The persistent loop stores residual_out after the cluster barrier's arrive (``between``).
-        kept_streams = []
+        self.collapse(args, staged, sums, first, last, warp, local, g, q, prenorm, None, first_fragment)
+        sums.squares_to_cluster()
+        self.store_layer_input(args, sums, prenorm, gamma_words, first, last, first_fragment, g, q)
+
+    @cute.jit
+    def write_raw_mixes(
+        self, args: BoundaryArgs, sums: stages.ClusterSums, first: Int32, last: Int32, warp: Int32, lane_id: Int32
+    ):
+        """Every token's raw mixes handed off from ``sums.totals`` (CTA 0, one warp per token)."""
+        config = self.config
+        tokens = config.tokens
+        warps = self.block_threads() // WARP_SIZE
+        for trip in cutlass.range_constexpr(-(-tokens // warps)):
+            t = warp + trip * warps
+            if (sums.cluster_rank == 0) & (lane_id == 0) & (t < Int32(tokens)) & (first + t <= last):
+                rstd = stages.mixes_rstd(sums.totals + t * VALUES, config.hidden, config.rms_eps)
+                stages.write_raw_mixes(sums.totals + t * VALUES, rstd, args.mixes_out, first + t)
+
+    @cute.jit
+    def collapse(
+        self, args: BoundaryArgs, staged: cute.Pointer, sums: stages.ClusterSums, first: Int32, last: Int32,
+        warp: Int32, local: Int32, g: Int32, q: Int32, prenorm: cute.Tensor, held, first_fragment: Int32 = 0,
+    ):  # fmt: skip
+        """After the PDL wait: per token the streams from ``staged`` (stored into ``residual_out``, or
+        kept in ``held`` for ``store_held``), collapsed with the pre weights from ``sums.totals`` into
+        ``prenorm``, the warps' sums of squares into ``sums.warp_squares``."""
+        config = self.config
+        hidden, tokens, fragments = config.hidden, config.tokens, config.groups_per_cta
+        halves = tokens // TOKENS_PER_HALF
+        cute.arch.griddepcontrol_wait()
+        hc_eps = Float32(config.hc_eps)
         for h in cutlass.range_constexpr(halves):
             t = h * TOKENS_PER_HALF + g
             rstd = stages.mixes_rstd(sums.totals + t * VALUES, hidden, config.rms_eps)
@@ -489,10 +591,11 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
             for k in cutlass.range_constexpr(LANE_FRAGMENTS):
                 f = local + q + k * HC
                 streams = [ptx.load_shared_u32x4(staged + staged_slot(f, j, t, fragments)) for j in range(HC)]
-                if cutlass.const_expr(reuses_staged):
-                    kept_streams.append((t, k, streams))
-                else:
+                if cutlass.const_expr(held is None):
                     self.store_streams(args, first + t, last, first_fragment + q + k * HC, streams)
+                else:
+                    for j in cutlass.range_constexpr(HC):
+                        held[k, j, None].store(streams[j])
                 terms = [ptx.words_to_f32x8(streams[j]) * pre[j] for j in range(HC)]
                 collapsed = ptx.f32x8_to_words((terms[0] + terms[1]) + (terms[2] + terms[3]))
                 prenorm[h, k, None].store(collapsed)
@@ -500,25 +603,24 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
             square = stages.group_sum(square)
             if q == Int32(0):
                 cute.arch.store((sums.warp_squares + warp * tokens + t).llvm_ptr, square)
-        if cutlass.const_expr(reuses_staged):
-            cute.arch.fence_proxy("async.shared", space="cta")
 
-            def store_kept() -> None:
-                for t, k, streams in kept_streams:
-                    self.store_streams(args, first + t, last, first_fragment + q + k * HC, streams)
-
-            sums.squares_to_cluster(store_kept)
-        else:
-            sums.squares_to_cluster()
-
+    @cute.jit
+    def store_layer_input(
+        self, args: BoundaryArgs, sums: stages.ClusterSums, prenorm: cute.Tensor, gamma_words: cute.Tensor,
+        first: Int32, last: Int32, first_fragment: Int32, g: Int32, q: Int32,
+    ):  # fmt: skip
+        """After the squares' cluster barrier: every token's collapsed row RMS-normalised and weighted
+        into ``layer_input`` (the lane's fragments)."""
+        config = self.config
+        halves = config.tokens // TOKENS_PER_HALF
         for h in cutlass.range_constexpr(halves):
             t = h * TOKENS_PER_HALF + g
             token = first + t
             if token <= last:
                 sum_square = sums.square_total(t)
-                inv_rms = stages.inverse_rms(sum_square, hidden, config.norm_eps)
+                inv_rms = stages.inverse_rms(sum_square, config.hidden, config.norm_eps)
                 for k in cutlass.range_constexpr(LANE_FRAGMENTS):
                     weight = ptx.words_to_f32x8(gamma_words[k, None].load())
                     result = ptx.words_to_f32x8(prenorm[h, k, None].load()) * inv_rms * weight
                     column = Int64(first_fragment + q + k * HC) * VEC_BF16
-                    stages.store_row(args.layer_input, token, column, hidden, result)
+                    stages.store_row(args.layer_input, token, column, config.hidden, result)

@@ -23,6 +23,7 @@ long as
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -215,14 +216,16 @@ class ClusterSums:
         warps: int,
         cluster_size: int,
         token_major: bool,
+        halves: int = 1,
     ) -> ClusterSums:
-        """The scratch for ``tokens`` tokens, in this order in shared memory."""
+        """The scratch for ``tokens`` tokens, in this order in shared memory; ``halves`` copies of
+        the peers' slots (``half``)."""
         return ClusterSums(
             smem.allocate_array(Float32, tokens * warps * VALUES),
-            smem.allocate_array(Float32, tokens * cluster_size * VALUES),
+            smem.allocate_array(Float32, halves * tokens * cluster_size * VALUES),
             smem.allocate_array(Float32, tokens * VALUES),
             smem.allocate_array(Float32, tokens * warps),
-            smem.allocate_array(Float32, tokens * cluster_size),
+            smem.allocate_array(Float32, halves * tokens * cluster_size),
             tidx,
             cluster_rank,
             tokens,
@@ -243,6 +246,17 @@ class ClusterSums:
             slot = self.warp + (t * self.warps + warp) * VALUES + cute.arch.lane_idx()
             cute.arch.store(slot.llvm_ptr, total)
 
+    def half(self, values: Int32, squares: Int32) -> ClusterSums:
+        """These sums with the peers' slots of half ``values`` (the 25 values) and half ``squares``
+        (the sums of squares), of an ``allocate(..., halves=2)``: a loop whose one cluster barrier
+        carries one group's values and the group before's squares alternates them, so that a peer
+        already sending the next group's never writes the slots this CTA still reads."""
+        return dataclasses.replace(
+            self,
+            cluster=self.cluster + values * (self.tokens * self.cluster_size * VALUES),
+            cluster_squares=self.cluster_squares + squares * (self.tokens * self.cluster_size),
+        )
+
     @cute.jit
     def values_to_cluster(self) -> None:
         """Block -> cluster for the 25 values of every token, once the warps' sums are in ``warp``:
@@ -252,10 +266,19 @@ class ClusterSums:
         (The one-token kernel spreads (value, peer) pairs over its threads instead,
         ``reduce.block_to_cluster``, then takes ``cluster_totals``.)
         """
+        cute.arch.barrier()
+        self.send_values()
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        self.cluster_totals()
+
+    @cute.jit
+    def send_values(self) -> None:
+        """Each (token, value) total of the CTA's warps into every peer's ``cluster``, one thread per
+        (token, value) in trips (after a CTA barrier; the cluster barrier follows)."""
         tidx, warps, cluster = self.tidx, self.warps, self.cluster_size
         threads = warps * WARP_SIZE
         pairs = self.tokens * VALUES
-        cute.arch.barrier()
         for trip in cutlass.range_constexpr(-(-pairs // threads)):
             index = tidx + trip * threads
             if index < Int32(pairs):
@@ -274,9 +297,6 @@ class ClusterSums:
                         total = total + cute.arch.load((self.warp + w * pairs + index).llvm_ptr, Float32)
                     for peer in cutlass.range_constexpr(cluster):
                         ptx.store_to_peer_f32(self.cluster + self.cluster_rank * pairs + index, Int32(peer), total)
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
-        self.cluster_totals()
 
     @cute.jit
     def cluster_totals(self) -> None:
@@ -325,8 +345,18 @@ class ClusterSums:
         ``between``: work traced between the barrier's arrive and its wait: global stores there are
         not held by the arrive, whose release waits until the thread's earlier stores are acknowledged.
         """
-        tidx, tokens, warps, cluster = self.tidx, self.tokens, self.warps, self.cluster_size
         cute.arch.barrier()
+        self.send_squares()
+        cute.arch.cluster_arrive()
+        if cutlass.const_expr(between is not None):
+            between()
+        cute.arch.cluster_wait()
+
+    @cute.jit
+    def send_squares(self) -> None:
+        """One thread per (token, peer) sends the CTA's sum of squares of the token into that peer's
+        ``cluster_squares`` (after a CTA barrier; the cluster barrier follows)."""
+        tidx, tokens, warps, cluster = self.tidx, self.tokens, self.warps, self.cluster_size
         if tidx < Int32(tokens * cluster):
             t = tidx // cluster
             peer = tidx % cluster
@@ -339,10 +369,6 @@ class ClusterSums:
                 for w in cutlass.range_constexpr(warps):
                     total = total + cute.arch.load((self.warp_squares + w * tokens + t).llvm_ptr, Float32)
                 ptx.store_to_peer_f32(self.cluster_squares + self.cluster_rank * tokens + t, peer, total)
-        cute.arch.cluster_arrive()
-        if cutlass.const_expr(between is not None):
-            between()
-        cute.arch.cluster_wait()
 
     @cute.jit
     def square_total(self, t: Int32) -> Float32:
