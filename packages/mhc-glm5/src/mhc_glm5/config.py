@@ -16,8 +16,8 @@ grouped kernel (``mhc_glm5.grouped``), 8 or 16 the tensor-core one
 (``mhc_glm5.grouped_mma``: a warp per 4 fragments, ``mma_threads``). From
 ``persistent_min_tokens`` (0: never) the persistent tensor-core boundary takes over:
 as many clusters as the device holds at once (``persistent_clusters``), each looping
-over groups of ``PERSISTENT_TOKENS`` tokens with ``fn`` staged once and the next
-group's streams copied while the current one computes.
+over groups of ``PERSISTENT_TOKENS`` tokens with ``fn`` staged once, the next group's
+streams copied and the group before collapsed while the current one computes.
 """
 
 from __future__ import annotations

@@ -41,6 +41,11 @@ other kernels' threads, so a lone cluster has more warps to hide latency). Lane
    lane's fragment.
 
 Tokens past M (a short last group) are inactive: nothing polled, re-armed or stored.
+
+The persistent variant (``BoundaryConfig.persistent``, ``persistent_body``) runs these stages on
+groups of 8 tokens in a loop per cluster, ``fn`` staged once, software pipelined so that one
+cluster barrier per group carries its values and the group before's squares (measured on the H200:
+BENCHMARKS.md, twelfth run).
 """
 
 from __future__ import annotations
