@@ -131,7 +131,7 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
     def grouped_body(self, args: BoundaryArgs):
         """One group of ``tokens`` tokens per cluster."""
         config = self.config
-        hidden, tp, cluster, tokens = config.hidden, config.tp, config.cluster_size, config.tokens
+        tp, cluster, tokens = config.tp, config.cluster_size, config.tokens
         fragments, threads = config.groups_per_cta, self.block_threads()
         warps = threads // WARP_SIZE
         halves = tokens // TOKENS_PER_HALF
@@ -172,11 +172,9 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         if from_x:
             for h in cutlass.range_constexpr(halves):
                 self.load_x_words(args, kept[h], first + h * TOKENS_PER_HALF + g, last, first_fragment, q)
-        stages.stage_mix_inputs(tidx, args.post, args.comb, mix_inputs, first, last, tokens, threads, True)
-        fn_stage.copy(
-            args.fn, fn_staged, fn_barrier, cluster_rank * fragments, fragments, FN_ROTATION_ROWS, hidden, threads
+        gamma_words = self.start_mixes_fn_weight(
+            args, mix_inputs, first, last, fn_staged, fn_barrier, tidx, cluster_rank, first_fragment, q
         )
-        gamma_words = self.load_gamma(args, first_fragment, q)
 
         # Polled before the PDL wait; the wait comes before the first output store (``boundary``).
         mailbox_base = args.mailbox.iterator.toint()
@@ -220,7 +218,7 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         Group ``k + 1``'s streams land in a third buffer (``PERSISTENT_BUFFERS``) and its mix inputs
         in a second one meanwhile; its x (a direct read) is read into registers one group ahead."""
         config = self.config
-        hidden, tp, cluster, tokens = config.hidden, config.tp, config.cluster_size, config.tokens
+        tp, cluster, tokens = config.tp, config.cluster_size, config.tokens
         fragments, threads = config.groups_per_cta, self.block_threads()
         warps = threads // WARP_SIZE
         stream_words = tokens * HC * fn_chunk_words(fragments, FN_ROTATION_ROWS)
@@ -260,11 +258,9 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         ahead = cute.make_rmem_tensor(cute.make_layout((LANE_FRAGMENTS, tp, 4), stride=(tp * 4, 4, 1)), Uint32)
         if from_x:
             self.load_x_words(args, ahead, first + g, last, first_fragment, q)
-        stages.stage_mix_inputs(tidx, args.post, args.comb, mix_buffers, first, last, tokens, threads, True)
-        fn_stage.copy(
-            args.fn, fn_staged, fn_barrier, cluster_rank * fragments, fragments, FN_ROTATION_ROWS, hidden, threads
+        gamma_words = self.start_mixes_fn_weight(
+            args, mix_buffers, first, last, fn_staged, fn_barrier, tidx, cluster_rank, first_fragment, q
         )
-        gamma_words = self.load_gamma(args, first_fragment, q)
 
         mailbox_base = args.mailbox.iterator.toint()
         polled = Boolean(True)
@@ -416,6 +412,22 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         for k in cutlass.range_constexpr(LANE_FRAGMENTS):
             column = Int64(first_fragment + q + k * HC) * VEC_BF16
             kept[k, 0, None].store(protocol.load_x_raw(args.x, row, column, self.config.hidden))
+
+    @cute.jit
+    def start_mixes_fn_weight(
+        self, args: BoundaryArgs, mix_inputs: cute.Pointer, first: Int32, last: Int32, fn_staged: cute.Pointer,
+        fn_barrier: cute.Pointer, tidx: Int32, cluster_rank: Int32, first_fragment: Int32, q: Int32,
+    ) -> cute.Tensor:  # fmt: skip
+        """The prologue's rest, after the streams and x: the first group's post / comb copies, the
+        CTA's ``fn`` copies, the lane's norm weight (returned)."""
+        config = self.config
+        fragments, threads = config.groups_per_cta, self.block_threads()
+        stages.stage_mix_inputs(tidx, args.post, args.comb, mix_inputs, first, last, config.tokens, threads, True)
+        fn_stage.copy(
+            args.fn, fn_staged, fn_barrier, cluster_rank * fragments, fragments, FN_ROTATION_ROWS, config.hidden,
+            threads,
+        )  # fmt: skip
+        return self.load_gamma(args, first_fragment, q)
 
     @cute.jit
     def load_gamma(self, args: BoundaryArgs, first_fragment: Int32, q: Int32) -> cute.Tensor:
