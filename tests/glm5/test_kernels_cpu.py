@@ -16,7 +16,7 @@ def boundary(arch: str, tokens: int, tp: int = 1, hidden: int = 4096, persistent
     """The kernel an op serving ``tokens`` per cluster compiles (``config.grouped_kernel_path``), or
     its persistent boundary."""
     from mhc_core.host.compiler import kernel_from_spec
-    from mhc_glm5.config import MMA_KERNEL, grouped_kernel_path
+    from mhc_glm5.config import PERSISTENT_KERNEL, grouped_kernel_path
 
     config = {
         "hidden": hidden, "tp": tp, "cluster_size": 8, "rms_eps": 1e-6, "hc_eps": 1e-6, "norm_eps": 1e-5,
@@ -24,7 +24,7 @@ def boundary(arch: str, tokens: int, tp: int = 1, hidden: int = 4096, persistent
     }  # fmt: skip
     path = "mhc_glm5.boundary:BoundaryKernel" if tokens == 1 else grouped_kernel_path(tokens)
     if persistent:
-        path = MMA_KERNEL
+        path = PERSISTENT_KERNEL
     return kernel_from_spec(path, config)
 
 
@@ -70,9 +70,11 @@ def test_one_device_entry_follows_the_signature() -> None:
     assert names[-3:] == ["clusters", "m", "stream"], "clusters and the stream: the launch's alone"
     device = [name for name in names if name not in ("clusters", "stream")]
     assert list(inspect.signature(BoundaryKernel.kernel).parameters)[1:] == device == list(BoundaryArgs._fields)
-    kinds = (BoundaryKernel, GroupBoundaryKernel, MmaGroupBoundaryKernel)
+    from mhc_glm5.persistent import PersistentBoundaryKernel
+
+    kinds = (BoundaryKernel, GroupBoundaryKernel, MmaGroupBoundaryKernel, PersistentBoundaryKernel)
     assert all(kind.kernel is BoundaryKernel.kernel for kind in kinds)
-    assert len({kind.body for kind in kinds}) == 3
+    assert len({kind.body for kind in kinds}) == 4
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -150,7 +152,7 @@ def test_persistent_boundary_geometry() -> None:
     import dataclasses
 
     from mhc_glm5.config import MAX_SHARED_BYTES, SM_SHARED_BYTES, persistent_clusters, persistent_shared_bytes
-    from mhc_glm5.grouped_mma import MmaGroupBoundaryKernel
+    from mhc_glm5.persistent import PersistentBoundaryKernel
 
     kernel = boundary("sm_90a", 8, persistent=True)
     fn = 96 * (64 * 16 + 16) + 8 + 128
@@ -160,8 +162,8 @@ def test_persistent_boundary_geometry() -> None:
     assert 2 * kernel.shared_bytes() > SM_SHARED_BYTES, "one CTA per SM: persistent_clusters counts so"
     assert persistent_clusters(132, 8) == 15 and persistent_clusters(4, 8) == 1
     sixteen = dataclasses.replace(boundary("sm_90a", 16).config, persistent=True)
-    with pytest.raises(ValueError, match="tokens: the persistent boundary loops over groups of 8, got 16"):
-        MmaGroupBoundaryKernel(sixteen)
+    with pytest.raises(ValueError, match="tokens: the persistent boundary loops over groups of 8"):
+        PersistentBoundaryKernel(sixteen)
 
 
 def test_tensor_core_boundary_geometry() -> None:

@@ -200,8 +200,9 @@ def tokens_per_cluster(cluster_tokens: tuple[tuple[int, int], ...], m: int) -> i
     return chosen
 
 
-#: The tensor-core kernel; it also serves the persistent boundary (``persistent`` in its config).
+#: The tensor-core kernel, and the persistent boundary built on its stages.
 MMA_KERNEL = "mhc_glm5.grouped_mma:MmaGroupBoundaryKernel"
+PERSISTENT_KERNEL = "mhc_glm5.persistent:PersistentBoundaryKernel"
 
 
 def grouped_kernel_path(tokens: int) -> str:
@@ -438,7 +439,7 @@ class GLM5Preset:
             )
         if self.persistent_min_tokens:
             specs["boundary_persistent"] = (
-                MMA_KERNEL,
+                PERSISTENT_KERNEL,
                 {**self.boundary_config(arch), "tokens": PERSISTENT_TOKENS, "persistent": True},
             )
         specs["mixes"] = (

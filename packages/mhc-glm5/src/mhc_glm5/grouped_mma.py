@@ -42,10 +42,8 @@ other kernels' threads, so a lone cluster has more warps to hide latency). Lane
 
 Tokens past M (a short last group) are inactive: nothing polled, re-armed or stored.
 
-The persistent variant (``BoundaryConfig.persistent``, ``persistent_body``) runs these stages on
-groups of 8 tokens in a loop per cluster, ``fn`` staged once, software pipelined so that one
-cluster barrier per group carries its values and the group before's squares (measured on the H200:
-BENCHMARKS.md, twelfth run).
+The persistent boundary (``mhc_glm5.persistent``) runs this kernel's stages (its methods below) on
+groups of 8 tokens in a loop per cluster.
 """
 
 from __future__ import annotations
@@ -70,14 +68,10 @@ from .config import (
     MIX_INPUTS,
     MMA_FRAGMENTS_PER_WARP,
     MMA_TOKENS,
-    PERSISTENT_BUFFERS,
-    PERSISTENT_MIX_BUFFERS,
-    PERSISTENT_TOKENS,
     VALUES,
     fn_chunk_words,
     mma_shared_bytes,
     mma_threads,
-    persistent_shared_bytes,
 )
 
 #: Fragments per warp (``mhc_glm5.config.mma_threads``): lane ``q`` owns fragment ``q`` outside the MMA.
@@ -104,17 +98,11 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
     def __init__(self, config: BoundaryConfig) -> None:
         if config.tokens not in MMA_TOKENS:
             raise ValueError(f"tokens: expected one of {MMA_TOKENS} for the tensor-core boundary, got {config.tokens}")
-        if config.persistent and config.tokens != PERSISTENT_TOKENS:
-            raise ValueError(
-                f"tokens: the persistent boundary loops over groups of {PERSISTENT_TOKENS}, got {config.tokens}"
-            )
         if config.groups_per_cta % FRAGMENTS_PER_WARP:
             raise ValueError(f"hidden / 8 / cluster_size = {config.groups_per_cta} must be a multiple of 4")
         super().__init__(config)
 
     def shared_bytes(self) -> int:
-        if self.config.persistent:
-            return persistent_shared_bytes(self.config.hidden, self.config.cluster_size)
         return mma_shared_bytes(self.config.hidden, self.config.cluster_size, self.config.tokens)
 
     def block_threads(self) -> int:
@@ -122,13 +110,6 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
 
     @cute.jit
     def body(self, args: BoundaryArgs):
-        if cutlass.const_expr(self.config.persistent):
-            self.persistent_body(args)
-        else:
-            self.grouped_body(args)
-
-    @cute.jit
-    def grouped_body(self, args: BoundaryArgs):
         """One group of ``tokens`` tokens per cluster."""
         config = self.config
         tp, cluster, tokens = config.tp, config.cluster_size, config.tokens
@@ -207,178 +188,6 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
             tidx, args.stage_state, args.arrivals, stage, stages.group_count(args.m, tokens), cluster_rank, polled,
             poisoned,
         )  # fmt: skip
-
-    @cute.jit
-    def persistent_body(self, args: BoundaryArgs):
-        """Cluster ``c`` of ``clusters`` (the grid) takes groups ``c, c + clusters, ...`` of
-        ``PERSISTENT_TOKENS`` tokens (one half). ``fn`` and the weight are loaded once. Software
-        pipelined over groups, one cluster barrier per group: while group ``k`` is post-mixed and
-        multiplied, group ``k - 1`` is collapsed, and one barrier carries group ``k``'s 25 values and
-        group ``k - 1``'s sums of squares (the peers' slots alternate halves, ``ClusterSums.half``).
-        Group ``k + 1``'s streams land in a third buffer (``PERSISTENT_BUFFERS``) and its mix inputs
-        in a second one meanwhile; its x (a direct read) is read into registers one group ahead."""
-        config = self.config
-        tp, cluster, tokens = config.tp, config.cluster_size, config.tokens
-        fragments, threads = config.groups_per_cta, self.block_threads()
-        warps = threads // WARP_SIZE
-        stream_words = tokens * HC * fn_chunk_words(fragments, FN_ROTATION_ROWS)
-        stream_bytes = tokens * HC * fragments * 16
-        tidx, _, _ = cute.arch.thread_idx()
-        first_group, _, _ = cute.arch.block_idx()
-        clusters, _, _ = cute.arch.grid_dim()
-        cluster_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        lane_id = cute.arch.lane_idx()
-        g = lane_id // HC
-        q = lane_id % HC
-        local = warp * FRAGMENTS_PER_WARP
-        first_fragment = cluster_rank * fragments + local
-        last = args.m - 1
-        groups = stages.group_count(args.m, tokens)
-        from_x = protocol.reads_x(args.direct, tp)
-
-        smem = cutlass.memory.SmemAllocator()
-        fn_staged, fn_barrier = fn_stage.allocate(smem, fragments, FN_ROTATION_ROWS)
-        staged_barriers = smem.allocate_array(Int64, PERSISTENT_BUFFERS, byte_alignment=8)
-        staged_buffers = smem.allocate_array(Uint32, PERSISTENT_BUFFERS * stream_words, byte_alignment=16)
-        mix_buffers = smem.allocate_array(Float32, PERSISTENT_MIX_BUFFERS * tokens * MIX_INPUTS)
-        sums = stages.ClusterSums.allocate(
-            smem, tidx, cluster_rank, tokens, warps, cluster, token_major=False, halves=2
-        )
-
-        stage, poisoned = stages.begin(args.prefetch, from_x, args.stage_state)
-        fn_stage.arm(staged_barriers, stream_bytes)
-        for buffer in cutlass.range_constexpr(1, PERSISTENT_BUFFERS):
-            fn_stage.init_idle(staged_barriers + buffer)
-        fn_stage.arm(fn_barrier, fn_stage.slice_bytes(fragments))
-        cute.arch.barrier()
-        # The first group's inputs, then fn (as the tensor-core kernel orders them).
-        first = first_group * tokens
-        self.copy_streams(args, staged_buffers, staged_barriers, first, last, cluster_rank)
-        ahead = cute.make_rmem_tensor(cute.make_layout((LANE_FRAGMENTS, tp, 4), stride=(tp * 4, 4, 1)), Uint32)
-        if from_x:
-            self.load_x_words(args, ahead, first + g, last, first_fragment, q)
-        gamma_words = self.start_mixes_fn_weight(
-            args, mix_buffers, first, last, fn_staged, fn_barrier, tidx, cluster_rank, first_fragment, q
-        )
-
-        mailbox_base = args.mailbox.iterator.toint()
-        polled = Boolean(True)
-        if from_x:
-            polled = Boolean(False)
-        kept = cute.make_rmem_tensor(cute.make_layout((LANE_FRAGMENTS, tp, 4), stride=(tp * 4, 4, 1)), Uint32)
-        squares = cute.make_rmem_tensor(cute.make_layout((1,)), Float32)
-        # The group before's collapsed words and post-mixed streams (stored after the barrier's arrive).
-        prenorm = cute.make_rmem_tensor(
-            cute.make_layout((1, LANE_FRAGMENTS, 4), stride=(LANE_FRAGMENTS * 4, 4, 1)), Uint32
-        )
-        held = cute.make_rmem_tensor(cute.make_layout((LANE_FRAGMENTS, HC, 4), stride=(HC * 4, 4, 1)), Uint32)
-
-        # Group 0 of this cluster: its values alone.
-        poisoned = self.persistent_front(
-            args, Int32(0), first_group, clusters, groups, last, staged_buffers, staged_barriers, mix_buffers,
-            fn_staged, fn_barrier, sums.half(Int32(0), Int32(1)), kept, ahead, squares, mailbox_base, stage,
-            poisoned, from_x, first_fragment, cluster_rank, tidx, warp, local, g, q,
-        )  # fmt: skip
-        cute.arch.barrier()
-        sums.send_values()
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
-        sums.cluster_totals()
-        self.write_raw_mixes(args, sums, first, last, warp, lane_id)
-        previous = first
-        iteration = Int32(1)
-        for group in range(first_group + clusters, groups, clusters):
-            halves = sums.half(iteration % 2, (iteration + 1) % 2)
-            poisoned = self.persistent_front(
-                args, iteration, group, clusters, groups, last, staged_buffers, staged_barriers, mix_buffers,
-                fn_staged, fn_barrier, halves, kept, ahead, squares, mailbox_base, stage, poisoned, from_x,
-                first_fragment, cluster_rank, tidx, warp, local, g, q,
-            )  # fmt: skip
-            # The group before: collapsed from its buffer, which bulk copies overwrite next.
-            before = staged_buffers + ((iteration + PERSISTENT_BUFFERS - 1) % PERSISTENT_BUFFERS) * stream_words
-            self.collapse(args, before, halves, previous, last, warp, local, g, q, prenorm, held)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier()
-            halves.send_values()
-            halves.send_squares()
-            cute.arch.cluster_arrive()
-            self.store_held(args, held, previous + g, last, first_fragment + q)
-            cute.arch.cluster_wait()
-            halves.cluster_totals()
-            self.write_raw_mixes(args, halves, group * tokens, last, warp, lane_id)
-            self.store_layer_input(args, halves, prenorm, gamma_words, previous, last, first_fragment, g, q)
-            previous = group * tokens
-            iteration = iteration + 1
-        # The last group: its squares alone.
-        final = sums.half(iteration % 2, (iteration + 1) % 2)
-        before = staged_buffers + ((iteration + PERSISTENT_BUFFERS - 1) % PERSISTENT_BUFFERS) * stream_words
-        self.collapse(args, before, final, previous, last, warp, local, g, q, prenorm, held)
-        cute.arch.barrier()
-        final.send_squares()
-        cute.arch.cluster_arrive()
-        self.store_held(args, held, previous + g, last, first_fragment + q)
-        cute.arch.cluster_wait()
-        self.store_layer_input(args, final, prenorm, gamma_words, previous, last, first_fragment, g, q)
-        stages.finish(tidx, args.stage_state, args.arrivals, stage, clusters, cluster_rank, polled, poisoned)
-
-    @cute.jit
-    def persistent_front(
-        self, args: BoundaryArgs, iteration: Int32, group: Int32, clusters: Int32, groups: Int32, last: Int32,
-        staged_buffers: cute.Pointer, staged_barriers: cute.Pointer, mix_buffers: cute.Pointer,
-        fn_staged: cute.Pointer, fn_barrier: cute.Pointer, sums: stages.ClusterSums, kept: cute.Tensor,
-        ahead: cute.Tensor, squares: cute.Tensor, mailbox_base: Int64, stage: Uint32, poisoned: Boolean,
-        from_x: Boolean, first_fragment: Int32, cluster_rank: Int32, tidx: Int32, warp: Int32, local: Int32,
-        g: Int32, q: Int32,
-    ) -> Boolean:  # fmt: skip
-        """The persistent loop's work on group ``iteration`` of this cluster up to its warps' sums:
-        the next group's copies started, x (one group ahead) or the poll, this group's inputs waited
-        for, the post-mix and the GEMV. Returns whether the op is poisoned."""
-        config = self.config
-        tokens, fragments = config.tokens, config.groups_per_cta
-        stream_words = tokens * HC * fn_chunk_words(fragments, FN_ROTATION_ROWS)
-        buffer = iteration % PERSISTENT_BUFFERS
-        staged = staged_buffers + buffer * stream_words
-        first = group * tokens
-        # The next group's streams into the buffer the group before last used (collapsed by now), its
-        # mix inputs into the other mix buffer. Its mix inputs are always a cp.async group (an empty
-        # one past the last group), so that one group stays in flight below.
-        following = group + clusters
-        other = (iteration + 1) % PERSISTENT_BUFFERS
-        if following < groups:
-            fn_stage.expect(staged_barriers + other, tokens * HC * fragments * 16)
-            cute.arch.sync_warp()
-            self.copy_streams(
-                args, staged_buffers + other * stream_words, staged_barriers + other, following * tokens, last,
-                cluster_rank,
-            )  # fmt: skip
-            stages.stage_mix_inputs(
-                tidx, args.post, args.comb,
-                mix_buffers + ((iteration + 1) % PERSISTENT_MIX_BUFFERS) * (tokens * MIX_INPUTS),
-                following * tokens, last, tokens, self.block_threads(), True,
-            )  # fmt: skip
-        else:
-            cute.arch.cp_async_commit_group()
-        if from_x:
-            kept.store(ahead.load())
-            self.load_x_words(args, ahead, following * tokens + g, last, first_fragment, q)
-        else:
-            counter = stages.counts_tokens(group, cluster_rank, tidx, args.spin_limit_ns)
-            poisoned = self.poll_half(
-                args, kept, mailbox_base, stage, first + g, first + g <= last, first_fragment + q, poisoned, counter,
-                config.tp > 1,
-            )  # fmt: skip
-        if following >= groups:
-            cute.arch.griddepcontrol_launch_dependents()  # this cluster's last poll is done
-        # This group's mix inputs landed (the next group's may be in flight) and are visible to all;
-        # its streams' bulk copies complete its buffer's barrier phase.
-        cute.arch.cp_async_wait_group(1)
-        cute.arch.barrier()
-        fn_stage.wait(staged_barriers + buffer, (iteration // PERSISTENT_BUFFERS) % 2)
-        mix_inputs = mix_buffers + (iteration % PERSISTENT_MIX_BUFFERS) * (tokens * MIX_INPUTS)
-        squares[0] = self.post_mix_half(kept, staged, mix_inputs + g * MIX_INPUTS, g, local, q, from_x, poisoned)
-        self.gemv_partials(staged, fn_staged, fn_barrier, sums, squares, warp, local, g, q)
-        return poisoned
 
     # ------------------------------------------------------------ stages
     @cute.jit

@@ -171,7 +171,7 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
             },
         ),
         "boundary_persistent": (
-            "mhc_glm5.grouped_mma:MmaGroupBoundaryKernel",
+            "mhc_glm5.persistent:PersistentBoundaryKernel",
             {
                 "hidden": 4096,
                 "tp": 1,
