@@ -82,6 +82,8 @@ SPECIFIC = {
         ("mixes_threads", 7, ValueError, "mixes_threads:"),
         ("cluster_tokens", [(8, 5)], ValueError, "cluster_tokens: tokens_per_cluster must be in 1..4"),
         ("top_k", 0, ValueError, "top_k: expected >= 1"),
+        ("clusters", 0, ValueError, "clusters: expected >= 1"),
+        ("persistent_min_tokens", -1, ValueError, "persistent_min_tokens: must be >= 0"),
     ],
 }
 
@@ -98,6 +100,17 @@ def test_bad_arguments_raise_before_any_build(family: str) -> None:
             raise AssertionError(f"{key}={value!r} was accepted: construction went on to the build") from None
         else:
             raise AssertionError(f"{key}={value!r}: no error")
+
+
+def test_persistent_threshold_must_follow_the_cluster_tokens() -> None:
+    """The persistent boundary's threshold comes after every ``cluster_tokens`` threshold (the
+    native program takes the last variant whose threshold M reaches)."""
+    from mhc_glm5 import AllReduceMhcBoundary
+
+    with pytest.raises(ValueError, match=r"persistent_min_tokens: must be above every cluster_tokens threshold"):
+        AllReduceMhcBoundary(**GOOD_GLM, cluster_tokens=[(16, 2), (32, 8)], persistent_min_tokens=32)
+    with pytest.raises(BuildStarted):
+        AllReduceMhcBoundary(**GOOD_GLM, cluster_tokens=[(16, 2), (32, 8)], persistent_min_tokens=33)
 
 
 def test_a_whole_loopback_group_is_refused_by_name() -> None:
