@@ -36,9 +36,10 @@ The CTA's ``fn`` slice is staged in shared memory by bulk copies (``mhc_glm5.fn_
 and the residual streams, the weight, post and comb are loaded, before the PDL wait
 when the kernel right before is the publish (``prefetch``).
 
-The boundary kernels (this one, ``mhc_glm5.grouped``, ``mhc_glm5.grouped_mma`` and its persistent
-variant) share one device entry, ``BoundaryKernel.kernel`` (one parameter list: ``boundary_signature``), and their
-stages (``mhc_glm5.stages``); each class's ``body`` wires the stages for its thread mapping.
+The boundary kernels (this one, ``mhc_glm5.grouped``, ``mhc_glm5.grouped_mma`` and
+``mhc_glm5.persistent``) share one device entry, ``BoundaryKernel.kernel`` (one parameter list:
+``boundary_signature``), and their stages (``mhc_glm5.stages``); each class's ``body`` wires the
+stages for its thread mapping.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class BoundaryConfig:
     #: Tokens per cluster: 1 for ``BoundaryKernel``, more for ``GroupBoundaryKernel``.
     tokens: int = 1
     #: The persistent tensor-core boundary: ``clusters`` clusters, each looping over groups of
-    #: ``tokens`` (``mhc_glm5.grouped_mma``).
+    #: ``tokens`` (``mhc_glm5.persistent``).
     persistent: bool = False
 
     @property

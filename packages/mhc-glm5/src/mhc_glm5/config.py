@@ -203,6 +203,24 @@ def tokens_per_cluster(cluster_tokens: tuple[tuple[int, int], ...], m: int) -> i
 #: The tensor-core kernel, and the persistent boundary built on its stages.
 MMA_KERNEL = "mhc_glm5.grouped_mma:MmaGroupBoundaryKernel"
 PERSISTENT_KERNEL = "mhc_glm5.persistent:PersistentBoundaryKernel"
+#: The persistent boundary's name among a preset's kernels (``GLM5Preset.kernel_specs``).
+PERSISTENT_NAME = "boundary_persistent"
+
+
+def boundary_name(tokens: int) -> str:
+    """The name among a preset's kernels (``GLM5Preset.kernel_specs``) of the boundary serving
+    ``tokens`` tokens per cluster."""
+    return "boundary" if tokens == 1 else f"boundary_x{tokens}"
+
+
+def boundary_variants(cluster_tokens: tuple[tuple[int, int], ...], persistent_min_tokens: int) -> list[tuple[int, str]]:
+    """The boundary launch's variants in order, as ``(min_tokens, kernel name)``: the one-token
+    kernel, each ``cluster_tokens`` entry's, then the persistent one when on (a call takes the last
+    whose min_tokens <= M, as the native program does)."""
+    variants = [(1, boundary_name(1))] + [(threshold, boundary_name(tokens)) for threshold, tokens in cluster_tokens]
+    if persistent_min_tokens:
+        variants.append((persistent_min_tokens, PERSISTENT_NAME))
+    return variants
 
 
 def grouped_kernel_path(tokens: int) -> str:
@@ -431,14 +449,14 @@ class GLM5Preset:
                 "mhc_core.device.publish:FinalizePublishKernel",
                 {**publish, "store": "unicast", "top_k": self.top_k, "weights": weights},
             )
-        specs["boundary"] = ("mhc_glm5.boundary:BoundaryKernel", self.boundary_config(arch))
+        specs[boundary_name(1)] = ("mhc_glm5.boundary:BoundaryKernel", self.boundary_config(arch))
         for tokens in self.grouped_sizes:
-            specs[f"boundary_x{tokens}"] = (
+            specs[boundary_name(tokens)] = (
                 grouped_kernel_path(tokens),
                 {**self.boundary_config(arch), "tokens": tokens},
             )
         if self.persistent_min_tokens:
-            specs["boundary_persistent"] = (
+            specs[PERSISTENT_NAME] = (
                 PERSISTENT_KERNEL,
                 {**self.boundary_config(arch), "tokens": PERSISTENT_TOKENS, "persistent": True},
             )

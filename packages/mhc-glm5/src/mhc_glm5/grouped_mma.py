@@ -108,6 +108,17 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
     def block_threads(self) -> int:
         return mma_threads(self.config.hidden, self.config.cluster_size)
 
+    @property
+    def stream_words(self) -> int:
+        """Words of one group's staged residual streams: a row per (token, source), padded like the
+        staged ``fn`` rows (``staged_slot``)."""
+        return self.config.tokens * HC * fn_chunk_words(self.config.groups_per_cta, FN_ROTATION_ROWS)
+
+    @property
+    def stream_bytes(self) -> int:
+        """Bytes one group's stream copies move: what its barrier's phase expects."""
+        return self.config.tokens * HC * self.config.groups_per_cta * 16
+
     @cute.jit
     def body(self, args: BoundaryArgs):
         """One group of ``tokens`` tokens per cluster."""
@@ -132,16 +143,14 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         smem = cutlass.memory.SmemAllocator()
         fn_staged, fn_barrier = fn_stage.allocate(smem, fragments, FN_ROTATION_ROWS)
         staged_barrier = smem.allocate_array(Int64, 1, byte_alignment=8)
-        staged = smem.allocate_array(
-            Uint32, tokens * HC * fn_chunk_words(fragments, FN_ROTATION_ROWS), byte_alignment=16
-        )
+        staged = smem.allocate_array(Uint32, self.stream_words, byte_alignment=16)
         mix_inputs = smem.allocate_array(Float32, tokens * MIX_INPUTS)
         sums = stages.ClusterSums.allocate(smem, tidx, cluster_rank, tokens, warps, cluster, token_major=False)
 
         stage, poisoned = stages.begin(args.prefetch, from_x, args.stage_state)
         # What the post-mix needs is requested first (the streams, x when read directly, post /
         # comb), fn after it: the SM takes them in about that order. Both barriers are armed first.
-        fn_stage.arm(staged_barrier, tokens * HC * fragments * 16)
+        fn_stage.arm(staged_barrier, self.stream_bytes)
         fn_stage.arm(fn_barrier, fn_stage.slice_bytes(fragments))
         cute.arch.barrier()
         self.copy_streams(args, staged, staged_barrier, first, last, cluster_rank)

@@ -43,7 +43,15 @@ from mhc_core.host.validation import check_int
 from mhc_core.presets import PresetError, warn_if_untuned
 
 from . import library  # noqa: F401  (registers the mhc::glm5_* custom ops)
-from .config import HC, MIX, PERSISTENT_TOKENS, GLM5Preset, persistent_clusters, thresholds_from_mapping
+from .config import (
+    HC,
+    MIX,
+    PERSISTENT_TOKENS,
+    GLM5Preset,
+    boundary_variants,
+    persistent_clusters,
+    thresholds_from_mapping,
+)
 
 Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 OUTPUT_NAMES = ("out[0] (residual_out)", "out[1] (post_out)", "out[2] (comb_out)", "out[3] (layer_input)")
@@ -68,7 +76,7 @@ class AllReduceMhcBoundary(LamportOp):
             (M >= threshold -> tokens per cluster; 1 below the first); the
             reference's exact ``{M: tokens}`` mapping is accepted and converted.
         persistent_min_tokens: calls with at least this many tokens take the persistent
-            boundary (``mhc_glm5.grouped_mma``: clusters looping over groups of 8 tokens);
+            boundary (``mhc_glm5.persistent``: clusters looping over groups of 8 tokens);
             0 or None: never (presets set their measured value).
         clusters: the most clusters the persistent boundary launches. None: as many as the
             device holds at once (``mhc_glm5.config.persistent_clusters``).
@@ -147,14 +155,9 @@ class AllReduceMhcBoundary(LamportOp):
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             clusters = persistent_clusters(sms, self.preset.cluster_size)
         self.clusters = clusters
-        # The kernels the preset lists (what `nox -s build` compiles): one per tokens-per-cluster size,
-        # and the persistent boundary.
+        # The kernels the preset lists (what `nox -s build` compiles): each boundary variant's, once.
         specs = self.preset.kernel_specs(self.arch)
-        self._boundary_kernels = {"boundary": self._compile(KernelSpec(*specs["boundary"]))}
-        for tokens in self.preset.grouped_sizes:
-            self._boundary_kernels[f"boundary_x{tokens}"] = self._compile(KernelSpec(*specs[f"boundary_x{tokens}"]))
-        if self.persistent_min_tokens:
-            self._boundary_kernels["boundary_persistent"] = self._compile(KernelSpec(*specs["boundary_persistent"]))
+        self._boundary_kernels = {name: self._compile(KernelSpec(*specs[name])) for _, name in self._variants()}
         self._mixes_kernel = self._compile(KernelSpec(*specs["mixes"]))
         # Per token: the boundary writes the raw mixes, the mixes kernel polls, copies and re-arms them.
         self._mixes_handoff = torch.full((self.capacity, MIX), -0.0, dtype=torch.float32, device=self.device)
@@ -277,15 +280,8 @@ class AllReduceMhcBoundary(LamportOp):
         )
 
     def _variants(self) -> list[tuple[int, str]]:
-        """The boundary launch's variants in order, as ``(min_tokens, kernel name)``: the one-token
-        kernel, each ``cluster_tokens`` entry's, then the persistent one (the native program takes
-        the last whose min_tokens <= M)."""
-        variants = [(1, "boundary")]
-        variants += [(threshold, "boundary" if tokens == 1 else f"boundary_x{tokens}")
-                     for threshold, tokens in self.cluster_tokens]  # fmt: skip
-        if self.persistent_min_tokens:
-            variants.append((self.persistent_min_tokens, "boundary_persistent"))
-        return variants
+        """The boundary launch's variants in order (``mhc_glm5.config.boundary_variants``)."""
+        return boundary_variants(self.cluster_tokens, self.persistent_min_tokens)
 
     def _variant_name(self, m: int) -> str:
         """The boundary kernel the native program picks for M tokens."""

@@ -40,7 +40,6 @@ from .config import (
     PERSISTENT_BUFFERS,
     PERSISTENT_MIX_BUFFERS,
     PERSISTENT_TOKENS,
-    fn_chunk_words,
     persistent_shared_bytes,
 )
 from .grouped_mma import FRAGMENTS_PER_WARP, LANE_FRAGMENTS, MmaGroupBoundaryKernel
@@ -74,8 +73,6 @@ class PersistentBoundaryKernel(MmaGroupBoundaryKernel):
         tp, cluster, tokens = config.tp, config.cluster_size, config.tokens
         fragments, threads = config.groups_per_cta, self.block_threads()
         warps = threads // WARP_SIZE
-        stream_words = tokens * HC * fn_chunk_words(fragments, FN_ROTATION_ROWS)
-        stream_bytes = tokens * HC * fragments * 16
         tidx, _, _ = cute.arch.thread_idx()
         first_group, _, _ = cute.arch.block_idx()
         clusters, _, _ = cute.arch.grid_dim()
@@ -93,14 +90,14 @@ class PersistentBoundaryKernel(MmaGroupBoundaryKernel):
         smem = cutlass.memory.SmemAllocator()
         fn_staged, fn_barrier = fn_stage.allocate(smem, fragments, FN_ROTATION_ROWS)
         staged_barriers = smem.allocate_array(Int64, PERSISTENT_BUFFERS, byte_alignment=8)
-        staged_buffers = smem.allocate_array(Uint32, PERSISTENT_BUFFERS * stream_words, byte_alignment=16)
+        staged_buffers = smem.allocate_array(Uint32, PERSISTENT_BUFFERS * self.stream_words, byte_alignment=16)
         mix_buffers = smem.allocate_array(Float32, PERSISTENT_MIX_BUFFERS * tokens * MIX_INPUTS)
         sums = stages.ClusterSums.allocate(
             smem, tidx, cluster_rank, tokens, warps, cluster, token_major=False, halves=2
         )
 
         stage, poisoned = stages.begin(args.prefetch, from_x, args.stage_state)
-        fn_stage.arm(staged_barriers, stream_bytes)
+        fn_stage.arm(staged_barriers, self.stream_bytes)
         for buffer in cutlass.range_constexpr(1, PERSISTENT_BUFFERS):
             fn_stage.init_idle(staged_barriers + buffer)
         fn_stage.arm(fn_barrier, fn_stage.slice_bytes(fragments))
@@ -149,7 +146,7 @@ class PersistentBoundaryKernel(MmaGroupBoundaryKernel):
                 first_fragment, cluster_rank, tidx, warp, local, g, q,
             )  # fmt: skip
             # The group before: collapsed from its buffer, which bulk copies overwrite next.
-            before = staged_buffers + ((iteration + PERSISTENT_BUFFERS - 1) % PERSISTENT_BUFFERS) * stream_words
+            before = self.buffer(staged_buffers, iteration + PERSISTENT_BUFFERS - 1)
             self.collapse(args, before, halves, previous, last, warp, local, g, q, prenorm, held)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier()
@@ -165,7 +162,7 @@ class PersistentBoundaryKernel(MmaGroupBoundaryKernel):
             iteration = iteration + 1
         # The last group: its squares alone.
         final = sums.half(iteration % 2, (iteration + 1) % 2)
-        before = staged_buffers + ((iteration + PERSISTENT_BUFFERS - 1) % PERSISTENT_BUFFERS) * stream_words
+        before = self.buffer(staged_buffers, iteration + PERSISTENT_BUFFERS - 1)
         self.collapse(args, before, final, previous, last, warp, local, g, q, prenorm, held)
         cute.arch.barrier()
         final.send_squares()
@@ -174,6 +171,10 @@ class PersistentBoundaryKernel(MmaGroupBoundaryKernel):
         cute.arch.cluster_wait()
         self.store_layer_input(args, final, prenorm, gamma_words, previous, last, first_fragment, g, q)
         stages.finish(tidx, args.stage_state, args.arrivals, stage, clusters, cluster_rank, polled, poisoned)
+
+    def buffer(self, staged_buffers: cute.Pointer, index: Int32) -> cute.Pointer:
+        """Stream buffer ``index % PERSISTENT_BUFFERS``: group ``k`` of a cluster uses buffer ``k``."""
+        return staged_buffers + (index % PERSISTENT_BUFFERS) * self.stream_words
 
     @cute.jit
     def front(
@@ -188,10 +189,9 @@ class PersistentBoundaryKernel(MmaGroupBoundaryKernel):
         the next group's copies started, x (one group ahead) or the poll, this group's inputs waited
         for, the post-mix and the GEMV. Returns whether the op is poisoned."""
         config = self.config
-        tokens, fragments = config.tokens, config.groups_per_cta
-        stream_words = tokens * HC * fn_chunk_words(fragments, FN_ROTATION_ROWS)
+        tokens = config.tokens
         buffer = iteration % PERSISTENT_BUFFERS
-        staged = staged_buffers + buffer * stream_words
+        staged = self.buffer(staged_buffers, iteration)
         first = group * tokens
         # The next group's streams into the buffer the group before last used (collapsed by now), its
         # mix inputs into the other mix buffer. Its mix inputs are always a cp.async group (an empty
@@ -199,10 +199,10 @@ class PersistentBoundaryKernel(MmaGroupBoundaryKernel):
         following = group + clusters
         other = (iteration + 1) % PERSISTENT_BUFFERS
         if following < groups:
-            fn_stage.expect(staged_barriers + other, tokens * HC * fragments * 16)
+            fn_stage.expect(staged_barriers + other, self.stream_bytes)
             cute.arch.sync_warp()
             self.copy_streams(
-                args, staged_buffers + other * stream_words, staged_barriers + other, following * tokens, last,
+                args, self.buffer(staged_buffers, other), staged_barriers + other, following * tokens, last,
                 cluster_rank,
             )  # fmt: skip
             stages.stage_mix_inputs(

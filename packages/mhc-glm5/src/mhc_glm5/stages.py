@@ -1,13 +1,13 @@
 """The stages of the GLM-5.3 boundary kernels, each written once.
 
 ``mhc_glm5.boundary`` (one token per cluster), ``mhc_glm5.grouped`` (2-4 tokens, CUDA cores)
-and ``mhc_glm5.grouped_mma`` (8 or 16 tokens, tensor cores; and its persistent variant, which
-loops over groups of 8) run the same stages in the same order: prologue (``begin``, the loads
+and ``mhc_glm5.grouped_mma`` (8 or 16 tokens, tensor cores; ``mhc_glm5.persistent`` loops its
+stages over groups of 8) run the same stages in the same order: prologue (``begin``, the loads
 and the staging), poll (``mhc_core.device.protocol``, ``counts_tokens``), post-mix, GEMV, the two
 cluster reductions (``ClusterSums``), epilogue (``finish`` last). They differ in how a thread maps
 to tokens, streams and fragments, so each kernel's ``body`` wires these functions together with
 the indices of its mapping; the tensor-core kernel's own stages (its poll, post-mix, GEMV and
-epilogue of a group) are methods that its grouped and persistent bodies share.
+epilogue of a group) are methods that its grouped body and the persistent boundary share.
 
 Written for byte-identical PTX with the kernels they came from (``tools.compile_presets
 --ptx-digest``). A function here traces inline, so moving code into one changes nothing as
