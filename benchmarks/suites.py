@@ -275,7 +275,7 @@ def glm5_thresholds(
     return records
 
 
-#: ``glm5-persistent``'s cluster counts (None: ``mhc_glm5.config.persistent_clusters``, one per SM).
+#: ``glm5-persistent``'s cluster counts (None: ``mhc_glm5.config.persistent_clusters``, all the device holds).
 PERSISTENT_CLUSTERS = (None, 16, 14, 12, 8)
 
 
