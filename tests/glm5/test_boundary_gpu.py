@@ -150,6 +150,27 @@ def test_every_tokens_per_cluster_with_short_last_group(name: str) -> None:
         run_and_check(ops, m, generator, negative_zero=True)
 
 
+def persistent_default_names() -> list[str]:
+    """The presets that turn the persistent boundary on themselves (``persistent_min_tokens``)."""
+    from mhc_glm5 import presets
+
+    return [name for name in preset_names() if presets.get(name).PRESET.persistent_min_tokens]
+
+
+@pytest.mark.parametrize("name", persistent_default_names())
+def test_preset_persistent_boundary_from_its_threshold(name: str) -> None:
+    """The preset's own persistent boundary, with the default cluster count (as many clusters as
+    the device holds): just below its threshold (off), at it, one past it (a short last group)
+    and at the capacity, -0 among the inputs."""
+    ops = ops_for(name)
+    op = ops[0]
+    threshold = op.persistent_min_tokens
+    generator = torch.Generator("cuda").manual_seed(threshold)
+    for index, m in enumerate((threshold - 1, threshold, threshold + 1, CAPACITY)):
+        assert op.persistent(m) == (m >= threshold)
+        run_and_check(ops, m, generator, negative_zero=index == 1)
+
+
 def persistent_names() -> list[str]:
     """The presets whose shape the persistent boundary fits (hidden 4608 on 8 CTAs does not)."""
     from mhc_glm5 import presets
