@@ -37,7 +37,7 @@ EXTRAS = {
     "jit": {'nvidia-cutlass-dsl==4.8.1; extra == "jit"'},
 }
 #: Each package's own version (its __init__); bumped when its kernels or API change.
-VERSIONS = {"mhc-core": "0.5.2", "mhc-dsv41": "0.5.1", "mhc-glm5": "0.9.0"}
+VERSIONS = {"mhc-core": "0.5.2", "mhc-dsv41": "0.5.1", "mhc-glm5": "0.9.1"}
 #: mhc-core ships its host library (libmhc_host.so, built from executor.cc): always platform-tagged.
 NATIVE = ("mhc_core/host/native/libmhc_host.so",)
 LICENSE = ROOT / "LICENSE"

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from mhc_core.compat import check_core_version, model_attribute
 
-__version__ = "0.9.0"
+__version__ = "0.9.1"
 #: The mhc-core releases this package works with (compatible-release pin).
 CORE_REQUIREMENT = "~=0.5.2"
 

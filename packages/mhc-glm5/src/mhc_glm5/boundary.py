@@ -229,9 +229,11 @@ class BoundaryKernel(DeviceKernel):
         fn_stage.arm(fn_barrier, fn_stage.slice_bytes(groups))
         # The barrier is initialised before any copy names it.
         cute.arch.barrier()
+        # From as few warps as can: the others poll meanwhile.
         fn_stage.copy(
-            args.fn, fn_staged, fn_barrier, cluster_rank * groups, groups, FN_ROTATION_STREAMS, hidden, config.threads
-        )
+            args.fn, fn_staged, fn_barrier, cluster_rank * groups, groups, FN_ROTATION_STREAMS, hidden, config.threads,
+            False,
+        )  # fmt: skip
         streams = cute.make_rmem_tensor(cute.make_layout((HC, 4), stride=(4, 1)), Uint32)
         for source in cutlass.range_constexpr(HC):
             streams[source, None].store(

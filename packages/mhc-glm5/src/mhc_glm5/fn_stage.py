@@ -20,7 +20,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
-from mhc_core.constants import VEC_BF16
+from mhc_core.constants import VEC_BF16, WARP_SIZE
 from mhc_core.device import ptx
 
 from .config import FN_CHUNKS, FN_STAGE_ALIGN, HC, fn_chunk_words
@@ -49,20 +49,10 @@ def arm(barrier: cute.Pointer, transaction_bytes: cutlass.Constexpr[int]) -> Non
 
 
 @cute.jit
-def init_idle(barrier: cute.Pointer) -> None:
-    """Thread 0 initialises ``barrier`` without arming it: ``expect`` arms each phase (a staging
-    buffer reused phase after phase); a CTA barrier must follow before any thread waits on it."""
-    tidx, _, _ = cute.arch.thread_idx()
-    if tidx == 0:
-        cute.arch.mbarrier_init(barrier, 1)
-        cute.arch.mbarrier_init_fence()
-
-
-@cute.jit
 def expect(barrier: cute.Pointer, transaction_bytes: cutlass.Constexpr[int]) -> None:
-    """Thread 0 arms the next phase of ``barrier`` for ``transaction_bytes``: before the copies that
-    complete it are issued (by its own warp, after a ``sync_warp``), once every thread has waited
-    on the phase before."""
+    """Thread 0 arms the next phase of ``barrier`` for ``transaction_bytes``, once every thread has
+    waited on the phase before, and before a CTA barrier that precedes the copies that complete it
+    (``copy_rows``: any thread may issue one)."""
     tidx, _, _ = cute.arch.thread_idx()
     if tidx == 0:
         cute.arch.mbarrier_arrive_and_expect_tx(barrier, transaction_bytes)
@@ -77,17 +67,37 @@ def copy_rows(
     row_bytes: cutlass.Constexpr[int],
     barrier: cute.Pointer,
     threads: cutlass.Constexpr[int],
+    every_warp: cutlass.Constexpr[bool],
 ) -> None:
-    """Start one bulk copy per row ``r < rows`` (a thread each, in trips): ``row_bytes`` from
-    element ``element(r)`` of the BF16 tensor ``source`` to ``slot(r)`` in shared memory, against an
-    armed ``barrier``. Any staging's (the ``fn`` slice here, the tensor-core kernel's residual
-    streams); the callables give its addressing."""
+    """Start one bulk copy per row ``r < rows``, against an armed ``barrier``: ``row_bytes`` from
+    element ``element(r)`` of the BF16 tensor ``source`` to ``slot(r)`` in shared memory. Any
+    staging's (the ``fn`` slice here, the tensor-core kernel's residual streams); the callables
+    give its addressing.
+
+    Who issues them: a warp's bulk-copy instruction issues its lanes' copies one after another,
+    ~60 cycles each on the H200 (BENCHMARKS.md, thirteenth run): 32 rows held one warp ~1 us, two
+    rows from each of 16 warps ~0.1 us.
+    - ``every_warp``: row ``r`` from warp ``r % warps`` (every thread may issue one, so the phase
+      must be armed before a CTA barrier that precedes this call). For a kernel whose warps all
+      wait for these rows next (the tensor-core kernels).
+    - else consecutive threads, as few warps as can: the others go on meanwhile (the one-token
+      kernel's warps poll; spread there, its M = 8 call measured 1.8 % slower)."""
     tidx, _, _ = cute.arch.thread_idx()
-    for trip in cutlass.range_constexpr(-(-rows // threads)):
-        row = tidx + trip * threads
-        if row < Int32(rows):
-            offset = element(row)
-            ptx.bulk_copy(slot(row), source.toint() + offset * 2, Int32(row_bytes), barrier)
+    if cutlass.const_expr(every_warp):
+        warps = threads // WARP_SIZE
+        warp = tidx // WARP_SIZE
+        per_warp = -(-rows // warps)
+        for trip in cutlass.range_constexpr(-(-per_warp // WARP_SIZE)):
+            row = (tidx % WARP_SIZE + trip * WARP_SIZE) * warps + warp
+            if row < Int32(rows):
+                offset = element(row)
+                ptx.bulk_copy(slot(row), source.toint() + offset * 2, Int32(row_bytes), barrier)
+    else:
+        for trip in cutlass.range_constexpr(-(-rows // threads)):
+            row = tidx + trip * threads
+            if row < Int32(rows):
+                offset = element(row)
+                ptx.bulk_copy(slot(row), source.toint() + offset * 2, Int32(row_bytes), barrier)
 
 
 @cute.jit
@@ -100,9 +110,10 @@ def copy(
     rotation: cutlass.Constexpr[int],
     hidden: cutlass.Constexpr[int],
     threads: cutlass.Constexpr[int],
+    every_warp: cutlass.Constexpr[bool],
 ) -> None:
     """Start the copies of ``fn``'s columns ``[first_fragment, + fragments)`` (in fragments) into
-    ``staged`` (``Uint32``), against an armed ``barrier``."""
+    ``staged`` (``Uint32``), against an armed ``barrier``; ``every_warp`` as ``copy_rows``."""
     stride = fn_chunk_words(fragments, rotation)
 
     def element(chunk: Int32) -> Int64:
@@ -110,7 +121,9 @@ def copy(
         stream = chunk % HC
         return Int64(row) * (HC * hidden) + Int64(stream) * hidden + Int64(first_fragment) * VEC_BF16
 
-    copy_rows(fn, element, lambda chunk: staged + chunk * stride, FN_CHUNKS, fragments * 16, barrier, threads)
+    copy_rows(
+        fn, element, lambda chunk: staged + chunk * stride, FN_CHUNKS, fragments * 16, barrier, threads, every_warp
+    )
 
 
 @cute.jit

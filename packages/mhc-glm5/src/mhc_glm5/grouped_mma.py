@@ -19,7 +19,9 @@ other kernels' threads, so a lone cluster has more warps to hide latency). Lane
    token's residual streams, one per token and source (the CTA's columns are contiguous
    there), 4-byte asynchronous copies of post / comb, then the bulk copies of the CTA's
    ``fn`` columns (``mhc_glm5.fn_stage``, waited for before the MMA): the post-mix's
-   inputs are requested first. Measured on the H200 (hidden 4096, tp 1): the residual's
+   inputs are requested first. Every warp issues its share of the bulk copies: issued from
+   one warp's lanes they held that warp ~1 us at 32 copies, and it every other warp at the
+   next barrier (thirteenth run: 0.91 x at M = 64). Measured on the H200 (hidden 4096, tp 1): the residual's
    16-byte ``cp.async`` copies took ~1.4 us to issue at 8 tokens, and a use of x right
    after its load held the rest of the prologue until it landed; without both, a call
    took 0.3-0.5 us less at M = 32-64 and 1.4 us less at M = 128. The staging is row
@@ -216,7 +218,7 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
 
         fn_stage.copy_rows(
             args.residual, stream_row, lambda row: staged + staged_slot(Int32(0), row % HC, row // HC, fragments),
-            tokens * HC, fragments * 16, barrier, self.block_threads(),
+            tokens * HC, fragments * 16, barrier, self.block_threads(), True,
         )  # fmt: skip
 
     @cute.jit
@@ -243,7 +245,7 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         stages.stage_mix_inputs(tidx, args.post, args.comb, mix_inputs, first, last, config.tokens, threads, True)
         fn_stage.copy(
             args.fn, fn_staged, fn_barrier, cluster_rank * fragments, fragments, FN_ROTATION_ROWS, config.hidden,
-            threads,
+            threads, True,
         )  # fmt: skip
         return self.load_gamma(args, first_fragment, q)
 

@@ -97,9 +97,11 @@ class PersistentBoundaryKernel(MmaGroupBoundaryKernel):
         )
 
         stage, poisoned = stages.begin(args.prefetch, from_x, args.stage_state)
-        fn_stage.arm(staged_barriers, self.stream_bytes)
-        for buffer in cutlass.range_constexpr(1, PERSISTENT_BUFFERS):
-            fn_stage.init_idle(staged_barriers + buffer)
+        # Every stream buffer's first phase armed here: the first group's, and those the first two
+        # fronts copy into (a phase no copy fills is never waited on). Each later phase is armed
+        # before the CTA barrier that precedes its copies (the loop's, after the collapse).
+        for buffer in cutlass.range_constexpr(PERSISTENT_BUFFERS):
+            fn_stage.arm(staged_barriers + buffer, self.stream_bytes)
         fn_stage.arm(fn_barrier, fn_stage.slice_bytes(fragments))
         cute.arch.barrier()
         # The first group's inputs, then fn (as the tensor-core kernel orders them).
@@ -145,9 +147,12 @@ class PersistentBoundaryKernel(MmaGroupBoundaryKernel):
                 fn_staged, fn_barrier, halves, kept, ahead, squares, mailbox_base, stage, poisoned, from_x,
                 first_fragment, cluster_rank, tidx, warp, local, g, q,
             )  # fmt: skip
-            # The group before: collapsed from its buffer, which bulk copies overwrite next.
-            before = self.buffer(staged_buffers, iteration + PERSISTENT_BUFFERS - 1)
+            # The group before: collapsed from its buffer, which the next front's bulk copies overwrite
+            # (its next phase armed now: every thread waited on the last one two groups ago).
+            freed = (iteration + PERSISTENT_BUFFERS - 1) % PERSISTENT_BUFFERS
+            before = self.buffer(staged_buffers, freed)
             self.collapse(args, before, halves, previous, last, warp, local, g, q, prenorm, held)
+            fn_stage.expect(staged_barriers + freed, self.stream_bytes)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier()
             halves.send_values()
@@ -199,8 +204,7 @@ class PersistentBoundaryKernel(MmaGroupBoundaryKernel):
         following = group + clusters
         other = (iteration + 1) % PERSISTENT_BUFFERS
         if following < groups:
-            fn_stage.expect(staged_barriers + other, self.stream_bytes)
-            cute.arch.sync_warp()
+            # Its buffer's phase was armed before the CTA barrier that preceded this front.
             self.copy_streams(
                 args, self.buffer(staged_buffers, other), staged_barriers + other, following * tokens, last,
                 cluster_rank,
