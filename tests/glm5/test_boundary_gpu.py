@@ -291,13 +291,21 @@ def _ops_with_tokens(preset, tokens: int, capacity: int = 16) -> list:
     )
 
 
-@pytest.mark.parametrize("m,persistent", [(1, False), (20, False), (40, False), (200, False), (300, True)])
-def test_tp1_reads_x_without_a_publish(m: int, persistent: bool) -> None:
+@pytest.mark.parametrize("m,kernel", [(1, 1), (20, 2), (40, 8), (200, 16), (300, "persistent")])
+def test_tp1_reads_x_without_a_publish(m: int, kernel: int | str) -> None:
     """At tp 1 a plain call launches no publish: the stage state does not move and the mailbox
     stays empty (-0). Its outputs are bitwise those of the mailbox path (publish + collect) on
-    the same inputs, -0 in x included. M = 1, 20, 40, 200: the x1, x2, x8 and x16 kernels; 300: the
-    persistent boundary."""
-    op = (persistent_ops_for if persistent else ops_for)("h200-tp1-h4096")[0]
+    the same inputs, -0 in x included. Every kernel: the x1, x8 and x16 kernels as the preset picks
+    them, x2 (which the preset no longer picks) by its own thresholds, the persistent boundary."""
+    from mhc_glm5 import presets
+
+    if kernel == "persistent":
+        op = persistent_ops_for("h200-tp1-h4096")[0]
+    elif kernel == 2:
+        op = _ops_with_tokens(presets.get("h200-tp1-h4096").PRESET, 2, capacity=32)[0]
+    else:
+        op = ops_for("h200-tp1-h4096")[0]
+    assert op.persistent(m) if kernel == "persistent" else op.tokens_per_cluster(m) == kernel
     generator = torch.Generator("cuda").manual_seed(29 + m)
     args = boundary_inputs(m, op.hidden_size, generator, negative_zero=True)
     x = bf16_randn(m, op.hidden_size, generator=generator)
