@@ -76,7 +76,7 @@ def copy_rows(
 
     Who issues them: a warp's bulk-copy instruction issues its lanes' copies one after another,
     ~60 cycles each on the H200 (BENCHMARKS.md, thirteenth run): 32 rows held one warp ~1 us, two
-    rows from each of 16 warps ~0.1 us.
+    rows from each of 16 warps were all issued ~0.2 us after the first.
     - ``every_warp``: row ``r`` from warp ``r % warps`` (every thread may issue one, so the phase
       must be armed before a CTA barrier that precedes this call). For a kernel whose warps all
       wait for these rows next (the tensor-core kernels).

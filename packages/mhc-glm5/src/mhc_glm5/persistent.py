@@ -148,7 +148,7 @@ class PersistentBoundaryKernel(MmaGroupBoundaryKernel):
                 first_fragment, cluster_rank, tidx, warp, local, g, q,
             )  # fmt: skip
             # The group before: collapsed from its buffer, which the next front's bulk copies overwrite
-            # (its next phase armed now: every thread waited on the last one two groups ago).
+            # (its next phase armed now: every thread waited on the last one in that group's front).
             freed = (iteration + PERSISTENT_BUFFERS - 1) % PERSISTENT_BUFFERS
             before = self.buffer(staged_buffers, freed)
             self.collapse(args, before, halves, previous, last, warp, local, g, q, prenorm, held)
