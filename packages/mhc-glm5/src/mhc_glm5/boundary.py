@@ -157,7 +157,7 @@ class BoundaryKernel(DeviceKernel):
         prefetch, direct, mailbox, stage_state, capacity, spin_limit_ns, error_flag, arrivals, clusters, m, stream,
     ):  # fmt: skip
         config = self.config
-        groups = (m + config.tokens - 1) // config.tokens
+        groups = stages.group_count(m, config.tokens)
         self.kernel(
             residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input, x, prefetch,
             direct, mailbox, stage_state, capacity, spin_limit_ns, error_flag, arrivals, m,

@@ -83,21 +83,24 @@ def copy_rows(
     - else consecutive threads, as few warps as can: the others go on meanwhile (the one-token
       kernel's warps poll; spread there, its M = 8 call measured 1.8 % slower)."""
     tidx, _, _ = cute.arch.thread_idx()
+    warps = threads // WARP_SIZE
     if cutlass.const_expr(every_warp):
-        warps = threads // WARP_SIZE
-        warp = tidx // WARP_SIZE
         per_warp = -(-rows // warps)
-        for trip in cutlass.range_constexpr(-(-per_warp // WARP_SIZE)):
-            row = (tidx % WARP_SIZE + trip * WARP_SIZE) * warps + warp
-            if row < Int32(rows):
-                offset = element(row)
-                ptx.bulk_copy(slot(row), source.toint() + offset * 2, Int32(row_bytes), barrier)
+        trips = -(-per_warp // WARP_SIZE)
+
+        def row_of(trip: int) -> Int32:
+            return (tidx % WARP_SIZE + trip * WARP_SIZE) * warps + tidx // WARP_SIZE
     else:
-        for trip in cutlass.range_constexpr(-(-rows // threads)):
-            row = tidx + trip * threads
-            if row < Int32(rows):
-                offset = element(row)
-                ptx.bulk_copy(slot(row), source.toint() + offset * 2, Int32(row_bytes), barrier)
+        trips = -(-rows // threads)
+
+        def row_of(trip: int) -> Int32:
+            return tidx + trip * threads
+
+    for trip in cutlass.range_constexpr(trips):
+        row = row_of(trip)
+        if row < Int32(rows):
+            offset = element(row)
+            ptx.bulk_copy(slot(row), source.toint() + offset * 2, Int32(row_bytes), barrier)
 
 
 @cute.jit

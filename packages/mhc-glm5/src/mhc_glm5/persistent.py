@@ -15,8 +15,9 @@ ahead. Per token the arithmetic is the 8-token kernel's, bit for bit.
 Why: per group of 8 tokens a CTA runs a chain of phases of about a microsecond each (post-mix,
 GEMV and reduction, collapse and stores: BENCHMARKS.md, twelfth run); the 16-token kernel pays it
 per wave with ``fn`` reloaded, this loop once per group with ``fn`` resident, two groups' chains
-overlapped. Measured on the H200 at tp 1: 2.8 % faster than the 16-token kernel at M = 256, 0.9 %
-at 512, 0.3 % at 1024, slower below 256.
+overlapped. Measured on the H200 at tp 1 (twelfth run): 2.8 % faster than the 16-token kernel at
+M = 256, 0.9 % at 512, 0.3 % at 1024, slower below 256. Since both issue their copies from every
+warp (thirteenth run, one run) it led at 256 and 512 and x16 at 1024.
 
 The PDL trigger comes in the cluster's last group, after its poll; the PDL wait before the first
 collapse's output stores; the cluster arrives once (``stages.finish`` over the grid's clusters).

@@ -336,20 +336,14 @@ class ClusterSums:
             cute.arch.store((self.warp_squares + t * self.warps + warp).llvm_ptr, square)
 
     @cute.jit
-    def squares_to_cluster(self, between: Callable[[], None] | None = None) -> None:
+    def squares_to_cluster(self) -> None:
         """Block -> cluster for one value per token, once the warps' sums are in ``warp_squares``: a
         CTA barrier; one thread per (token, peer) sends the CTA's total into that peer's
         ``cluster_squares``; the cluster barrier (then ``square_total``). Needs ``tokens * cluster``
-        threads (the presets guarantee 25 x cluster_size).
-
-        ``between``: work traced between the barrier's arrive and its wait: global stores there are
-        not held by the arrive, whose release waits until the thread's earlier stores are acknowledged.
-        """
+        threads (the presets guarantee 25 x cluster_size)."""
         cute.arch.barrier()
         self.send_squares()
         cute.arch.cluster_arrive()
-        if cutlass.const_expr(between is not None):
-            between()
         cute.arch.cluster_wait()
 
     @cute.jit
