@@ -233,20 +233,30 @@ def glm5_suite(ctx: Context, ms: list[int], hidden: int = 4096) -> list[Record]:
     op = AllReduceMhcBoundary.from_preset(preset, max_num_tokens=max(ms), device="cuda", group=ctx.group)
     records = []
     for m in ms:
-        x = bf16(m, hidden)
-        args = glm5_inputs(m, hidden)
-        floor = glm5_bytes(m, hidden) / ctx.bandwidth
-
-        def fused(x=x, args=args):
-            outputs = op(x, *args)
-            op.join()  # the fused time includes the side-stream mixes
-            return outputs
-
-        label = f"fused AllReduceMhcBoundary (x{op.tokens_per_cluster(m)})"
+        fused, floor, x, args = _time_glm5(ctx, op, m, hidden)
+        label = f"fused AllReduceMhcBoundary ({_glm5_kernel(op, m)})"
         second = mailbox_floor(ctx, glm5_bytes(m, hidden), m, hidden)
-        records.append(Record("glm5", ctx.tp, m, label, ctx.time(fused), floor, second))
+        records.append(Record("glm5", ctx.tp, m, label, fused, floor, second))
         records += _boundary_baselines(ctx, "glm5", m, hidden, x, args, floor)
     return records
+
+
+def _time_glm5(ctx: Context, op: Any, m: int, hidden: int) -> tuple[float, float, torch.Tensor, tuple]:
+    """A GLM op on fresh inputs, its side-stream mixes joined inside the timed call: (us, floor us,
+    x, the other inputs)."""
+    x, args = bf16(m, hidden), glm5_inputs(m, hidden)
+
+    def fused() -> Any:
+        outputs = op(x, *args)
+        op.join()  # the fused time includes the side-stream mixes
+        return outputs
+
+    return ctx.time(fused), glm5_bytes(m, hidden) / ctx.bandwidth, x, args
+
+
+def _glm5_kernel(op: Any, m: int) -> str:
+    """The boundary kernel a GLM op runs for M tokens, as the tables name it."""
+    return "persistent" if op.persistent(m) else f"x{op.tokens_per_cluster(m)}"
 
 
 #: The persistent boundary among ``glm5-thresholds``' sizes.
@@ -306,15 +316,8 @@ def _time_glm5_variant(ctx: Context, suite: str, op, label: str, ms: list[int], 
     """The fused call (mixes joined) of one op at every M."""
     records = []
     for m in ms:
-        x, args = bf16(m, hidden), glm5_inputs(m, hidden)
-
-        def fused(op=op, x=x, args=args):
-            outputs = op(x, *args)
-            op.join()
-            return outputs
-
-        floor = glm5_bytes(m, hidden) / ctx.bandwidth
-        records.append(Record(suite, ctx.tp, m, label, ctx.time(fused), floor))
+        us, floor, _, _ = _time_glm5(ctx, op, m, hidden)
+        records.append(Record(suite, ctx.tp, m, label, us, floor))
     return records
 
 
@@ -328,8 +331,7 @@ def glm5_breakdown(ctx: Context, ms: list[int], hidden: int = 4096) -> list[Reco
     records = []
     for m in ms:
         x, args = bf16(m, hidden), glm5_inputs(m, hidden)
-        tokens = op.tokens_per_cluster(m)
-        kernel = "persistent" if op.persistent(m) else f"x{tokens}"
+        kernel = _glm5_kernel(op, m)
 
         def call(op=op, x=x, args=args):
             op(x, *args)
