@@ -20,6 +20,7 @@ from mhc_core.host.compiler import KernelSpec
 from mhc_core.host.moe import MoEOutput
 from mhc_core.host.op import LamportOp
 from mhc_core.host.programs import Fixed, Launch, Pointer, Scalar, Source, pointers
+from mhc_core.host.startup import collective
 from mhc_core.host.validation import check_int, check_positive_float
 from mhc_core.presets import warn_if_untuned
 
@@ -59,8 +60,10 @@ class AllReduceMHC(LamportOp):
             None: as many as the device holds at once (``mhc_dsv41.config.resident_clusters``).
         staged_tokens: tokens whose inputs the persistent collective has in flight at once
             (2..4; None: the config's default, what presets use).
-        spin_timeout_ms: device-side bound on every poll (off by default; also
-            ``MHC_SPIN_TIMEOUT_MS``).
+        spin_timeout_ms: device-side bound on every poll, in ms (default 600 000, NCCL's default
+            collective timeout; 0 turns it off; also ``MHC_SPIN_TIMEOUT_MS``).
+        mailbox_allocation: how a process group's mailboxes are allocated: "auto" (default; also
+            ``MHC_MAILBOX_ALLOCATION``), "symmetric" or "ipc" (``mhc_core.host.allocation``).
         check_routes: verify MoE route indices on the device (debug mode).
         norm_eps: the RMSNorm epsilon of every call that passes none (as ``AllReduceMhcBoundary``
             takes it; a preset's ``norm_eps`` with ``from_preset``). A call may still pass its own.
@@ -68,6 +71,7 @@ class AllReduceMHC(LamportOp):
 
     weight_dtypes = (torch.float32,)
 
+    @collective
     def __init__(
         self,
         *,
@@ -87,6 +91,7 @@ class AllReduceMHC(LamportOp):
         publish_threads: int = 128,
         spin_timeout_ms: float | None = None,
         check_routes: bool = False,
+        mailbox_allocation: str | None = None,
         norm_eps: float = 1e-6,
     ) -> None:
         self.hc_mult = check_int("hc_mult", hc_mult, minimum=1, maximum=16)
@@ -108,6 +113,7 @@ class AllReduceMHC(LamportOp):
             publish_threads=publish_threads,
             spin_timeout_ms=spin_timeout_ms,
             check_routes=check_routes,
+            mailbox_allocation=mailbox_allocation,
         )
         geometry: dict[str, Any] = dict(default_geometry(hidden_size, hc_mult, self.tp))
         for key, value in (("cluster_size", cluster_size), ("threads", threads), ("rank_lanes", rank_lanes)):
@@ -126,7 +132,12 @@ class AllReduceMHC(LamportOp):
         self._collective_kernels = [self._compile(KernelSpec(COLLECTIVE_KERNEL, c)) for c in (self.config, persistent)]
         self._setup()
 
+    def _model_fingerprint(self) -> dict[str, Any]:
+        geometry = dataclasses.asdict(self.config)
+        return {"geometry": geometry, "persistent_min_tokens": self.persistent_min_tokens, "norm_eps": self.norm_eps}
+
     @classmethod
+    @collective
     def from_config(
         cls,
         preset: DSV41Preset,
@@ -156,6 +167,7 @@ class AllReduceMHC(LamportOp):
         return op
 
     @classmethod
+    @collective
     def from_preset(
         cls, name: str, *, max_num_tokens: int, device: torch.device | str | int, group: Any = None, **options: Any
     ) -> AllReduceMHC:

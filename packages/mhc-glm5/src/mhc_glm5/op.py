@@ -38,6 +38,7 @@ from mhc_core.host.compiler import KernelSpec
 from mhc_core.host.moe import MoEOutput
 from mhc_core.host.op import LamportOp
 from mhc_core.host.programs import DIM_M, Fixed, Launch, Pointer, Source, pointers
+from mhc_core.host.startup import collective
 from mhc_core.host.streams import SideWork
 from mhc_core.host.validation import check_int
 from mhc_core.presets import PresetError, warn_if_untuned
@@ -80,9 +81,11 @@ class AllReduceMhcBoundary(LamportOp):
             0 or None: never (presets set their measured value).
         clusters: the most clusters the persistent boundary launches. None: as many as the
             device holds at once (``mhc_glm5.config.persistent_clusters``).
-        group, transport, spin_timeout_ms, check_routes: as ``mhc_core.LamportOp``.
+        group, transport, spin_timeout_ms, check_routes, mailbox_allocation: as ``mhc_core.LamportOp``
+            (``mhc_dsv41.AllReduceMHC`` documents them).
     """
 
+    @collective
     def __init__(
         self,
         *,
@@ -105,6 +108,7 @@ class AllReduceMhcBoundary(LamportOp):
         clusters: int | None = None,
         spin_timeout_ms: float | None = None,
         check_routes: bool = False,
+        mailbox_allocation: str | None = None,
     ) -> None:
         check_int("top_k", top_k, minimum=1)
         if clusters is not None:
@@ -120,6 +124,7 @@ class AllReduceMhcBoundary(LamportOp):
             publish_threads=publish_threads,
             spin_timeout_ms=spin_timeout_ms,
             check_routes=check_routes,
+            mailbox_allocation=mailbox_allocation,
         )
         if isinstance(cluster_tokens, Mapping):
             cluster_tokens = thresholds_from_mapping(cluster_tokens)
@@ -147,6 +152,7 @@ class AllReduceMhcBoundary(LamportOp):
             )
         except PresetError as error:
             raise ValueError(f"{error.key}: {error.rule}; got {error.value!r}") from None
+        self.preset = preset  # what the startup's config vote compares (``_model_fingerprint``)
         self._build_publishes()
         self.preset = dataclasses.replace(preset, archs=(self.arch,))
         self.cluster_tokens = self.preset.cluster_tokens
@@ -170,7 +176,12 @@ class AllReduceMhcBoundary(LamportOp):
         self._order.own(self._mixes_handoff, self._raw_mixes, self._arrivals)
         self._setup()
 
+    def _model_fingerprint(self) -> dict[str, Any]:
+        fields = dataclasses.asdict(self.preset)
+        return {"preset": {key: value for key, value in fields.items() if key not in ("name", "archs", "tuned")}}
+
     @classmethod
+    @collective
     def from_config(
         cls,
         preset: GLM5Preset,
@@ -205,6 +216,7 @@ class AllReduceMhcBoundary(LamportOp):
         return op
 
     @classmethod
+    @collective
     def from_preset(
         cls, name: str, *, max_num_tokens: int, device: torch.device | str | int, group: Any = None, **options: Any
     ) -> AllReduceMhcBoundary:

@@ -19,6 +19,7 @@ from .compiler import KernelSpec
 from .moe import MoEOutput
 from .op import LamportOp
 from .programs import Launch, Pointer, Source
+from .startup import collective
 
 
 class LamportAllReduce(LamportOp):
@@ -32,6 +33,7 @@ class LamportAllReduce(LamportOp):
     #: The plain collective reads only the mailbox: a tp = 1 call still publishes.
     reads_x = False
 
+    @collective
     def __init__(
         self,
         *,
@@ -45,6 +47,7 @@ class LamportAllReduce(LamportOp):
         lanes: int = 1,
         spin_timeout_ms: float | None = None,
         check_routes: bool = False,
+        mailbox_allocation: str | None = None,
     ) -> None:
         super().__init__(
             hidden_size=hidden_size,
@@ -56,6 +59,7 @@ class LamportAllReduce(LamportOp):
             publish_trigger=TRIGGER_AFTER_STORES,
             spin_timeout_ms=spin_timeout_ms,
             check_routes=check_routes,
+            mailbox_allocation=mailbox_allocation,
         )
         self.lanes = lanes
         config = CollectiveConfig(hidden=hidden_size, tp=self.tp, threads=threads, lanes=lanes)

@@ -16,14 +16,14 @@ same way, so no token count can deadlock.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
 
-from ..constants import NEGATIVE_ZERO_BF16
+from .allocation import ALLOCATORS, MailboxMemory, fill_sentinel
 
 SUPPORTED_TP = (1, 2, 4, 8)
 
@@ -37,19 +37,8 @@ class GroupMember(Protocol):
     def warmup_rounds(self) -> Sequence[Any]: ...
 
 
-@dataclass
-class MailboxMemory:
-    """This rank's mailbox and where every rank's copy lives."""
-
-    local: torch.Tensor
-    peer_bases: list[int]
-    multicast: int = 0
-
-
 def _sentinel_filled(elements: int, device: torch.device) -> torch.Tensor:
-    buffer = torch.empty(elements, dtype=torch.bfloat16, device=device)
-    buffer.view(torch.int16).fill_(NEGATIVE_ZERO_BF16 - 0x10000)
-    return buffer
+    return fill_sentinel(torch.empty(elements, dtype=torch.bfloat16, device=device))
 
 
 def warm_up(ops: Sequence[GroupMember]) -> None:
@@ -74,9 +63,14 @@ class RankGroup:
     tp = 1
     rank = 0
 
-    def allocate_mailbox(self, elements: int, device: torch.device) -> MailboxMemory:
-        """``elements`` BF16 of sentinel-filled mailbox memory on every rank (collective)."""
+    def allocate_mailbox(self, elements: int, device: torch.device, startup: Any, allocation: str) -> MailboxMemory:
+        """``elements`` BF16 of sentinel-filled mailbox memory on every rank (collective; ``allocation``
+        picks how for a process group, ``mhc_core.host.allocation``)."""
         raise NotImplementedError
+
+    def exchange_ballots(self, ballot: Any, device: Any = None) -> list[Any]:
+        """Every rank's ballot of one startup vote (``mhc_core.host.startup``); here only this rank's."""
+        return [ballot]
 
     def complete_construction(self, op: GroupMember) -> None:
         raise NotImplementedError
@@ -92,7 +86,7 @@ class RankGroup:
 class SoloGroup(RankGroup):
     """tp = 1: no process group; the mailbox is a local buffer."""
 
-    def allocate_mailbox(self, elements: int, device: torch.device) -> MailboxMemory:
+    def allocate_mailbox(self, elements: int, device: torch.device, startup: Any, allocation: str) -> MailboxMemory:
         local = _sentinel_filled(elements, device)
         return MailboxMemory(local, [local.data_ptr()])
 
@@ -101,7 +95,8 @@ class SoloGroup(RankGroup):
 
 
 class ProcessGroupRanks(RankGroup):
-    """A real process group: mailboxes in torch symmetric memory, peer pointers from its handle."""
+    """A real process group (any backend): mailboxes from ``mhc_core.host.allocation`` (torch symmetric
+    memory or CUDA IPC), startup votes and barriers through the group."""
 
     kind = "process_group"
 
@@ -111,22 +106,22 @@ class ProcessGroupRanks(RankGroup):
         self.group = group
         self.tp = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        # Object collectives of a NCCL group stage through the current CUDA device.
+        self._on_device = "nccl" in str(dist.get_backend(group)).lower()
 
-    def allocate_mailbox(self, elements: int, device: torch.device) -> MailboxMemory:
+    def allocate_mailbox(self, elements: int, device: torch.device, startup: Any, allocation: str) -> MailboxMemory:
+        return ALLOCATORS[allocation].allocate(self, startup, elements, device)
+
+    def exchange_ballots(self, ballot: Any, device: Any = None) -> list[Any]:
         import torch.distributed as dist
-        import torch.distributed._symmetric_memory as symm_mem
 
-        local = symm_mem.empty((elements,), dtype=torch.bfloat16, device=device)
-        handle = symm_mem.rendezvous(local, self.group)
-        local.view(torch.int16).fill_(NEGATIVE_ZERO_BF16 - 0x10000)
-        torch.cuda.synchronize(device)
-        dist.barrier(group=self.group)
-        peers = [int(pointer) for pointer in handle.buffer_ptrs]
-        return MailboxMemory(local, peers, int(handle.multicast_ptr or 0))
+        ballots: list[Any] = [None] * self.tp
+        with torch.cuda.device(normalize_device(device or "cuda")) if self._on_device else _nothing():
+            dist.all_gather_object(ballots, ballot, group=self.group)
+        return ballots
 
     def complete_construction(self, op: GroupMember) -> None:
-        warm_up([op])
-        self.barrier()
+        warm_up([op])  # the startup's "ready" vote follows: every rank's warm-up is done after it
 
     def barrier(self) -> None:
         import torch.distributed as dist
@@ -148,10 +143,21 @@ class LoopbackRank(RankGroup):
         # Each op built on this rank -> the instance (its k-th construction) it belongs to.
         self._instance_of: weakref.WeakKeyDictionary[GroupMember, int] = weakref.WeakKeyDictionary()
 
-    def allocate_mailbox(self, elements: int, device: torch.device) -> MailboxMemory:
+    def allocate_mailbox(self, elements: int, device: torch.device, startup: Any, allocation: str) -> MailboxMemory:
         index = self._allocations
         self._allocations += 1
         return self.group._mailbox(index, self.rank, elements, device)
+
+    def exchange_ballots(self, ballot: Any, device: Any = None) -> list[Any]:
+        """The ballots of this instance's ranks built so far (the op's next mailbox names the
+        instance): the first rank's ``config`` and ``kernels`` are what later ranks must match."""
+        if ballot.stage not in ("config", "kernels"):
+            return [ballot]
+        ballots = self.group._ballots.setdefault((self._allocations, ballot.stage), {})
+        earlier = [ballots[rank] for rank in sorted(ballots) if rank != self.rank]
+        if ballot.error is None:
+            ballots[self.rank] = ballot
+        return [*earlier, ballot]
 
     def complete_construction(self, op: GroupMember) -> None:
         index = self._constructions
@@ -178,6 +184,8 @@ class LoopbackGroup:
         self.ranks = tuple(LoopbackRank(self, rank) for rank in range(world_size))
         self._mailboxes: dict[int, list[torch.Tensor]] = {}
         self._instances: dict[int, dict[int, GroupMember]] = {}
+        #: (instance, stage) -> rank -> startup ballot (``LoopbackRank.exchange_ballots``).
+        self._ballots: dict[tuple[int, str], dict[int, Any]] = {}
 
     def __getitem__(self, rank: int) -> LoopbackRank:
         return self.ranks[rank]
@@ -223,6 +231,11 @@ class LoopbackGroup:
         instance[rank] = op
         if len(instance) == self.world_size:
             warm_up([instance[r] for r in range(self.world_size)])
+
+
+@contextlib.contextmanager
+def _nothing() -> Iterator[None]:
+    yield
 
 
 def run_ranks(

@@ -4,12 +4,14 @@ Memory: ``3 * tp * capacity * hidden * 2`` bytes per rank (three generations of
 every rank's ``[capacity, hidden]`` BF16 contribution) plus a ``3 * tp * 16``-byte
 header (each rank's M per generation, for the unequal-M check), and 16 bytes of
 stage state (NEXT, ACTIVE, the sticky error word). For a real process group it
-lives in torch symmetric memory; the repr shows the size.
+lives in torch symmetric memory or a CUDA IPC allocation (``mhc_core.host.allocation``); the repr
+shows the size and which.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -56,13 +58,27 @@ class LamportMailbox:
     mailbox base (unicast, own rank included) or the multicast base.
     """
 
-    def __init__(self, group: RankGroup, *, capacity: int, hidden: int, device: torch.device, transport: str) -> None:
+    def __init__(
+        self,
+        group: RankGroup,
+        *,
+        capacity: int,
+        hidden: int,
+        device: torch.device,
+        transport: str,
+        startup: Any = None,
+        allocation: str = "local",
+    ) -> None:
         self.tp = group.tp
         self.capacity = capacity
         self.hidden = hidden
         self.transport = transport
-        memory = group.allocate_mailbox(mailbox_elements(group.tp, capacity, hidden), device)
+        #: How a process group's mailboxes were allocated (``mhc_core.host.allocation``), else "local".
+        self.allocation = allocation
+        memory = group.allocate_mailbox(mailbox_elements(group.tp, capacity, hidden), device, startup, allocation)
         slots = LAMPORT_GENERATIONS * group.tp * capacity * hidden
+        #: What keeps the allocation and the peers' mappings alive (released with the mailbox).
+        self._owners = memory.owners
         self.memory = memory.local
         self.buffer = memory.local[:slots].view(LAMPORT_GENERATIONS, group.tp, capacity, hidden)
         self.header = memory.local[slots:].view(LAMPORT_GENERATIONS, group.tp, HEADER_ENTRY_BYTES // 2)
@@ -86,5 +102,5 @@ class LamportMailbox:
     def __repr__(self) -> str:
         return (
             f"LamportMailbox({LAMPORT_GENERATIONS}x{self.tp}x{self.capacity}x{self.hidden} bf16, "
-            f"{self.nbytes / 2**20:.1f} MiB per rank, transport={self.transport!r})"
+            f"{self.nbytes / 2**20:.1f} MiB per rank, transport={self.transport!r}, allocation={self.allocation!r})"
         )

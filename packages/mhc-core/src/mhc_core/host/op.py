@@ -27,6 +27,7 @@ configuration share their compiled kernels (the compile cache), only the mailbox
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from ..device.configs import (
     PublishConfig,
 )
 from . import library
+from .allocation import choose_allocation, device_identity, requested_allocation
 from .calls import ROWS, M, Rule, TensorRule, check_call, tensor
 from .compiler import LOG, CompiledKernel, KernelSpec, compile_kernel, device_arch
 from .groups import SUPPORTED_TP, normalize_device, resolve_group
@@ -61,6 +63,8 @@ from .programs import (
     Source,
 )
 from .spin import SpinGuard, resolve_timeout_ms
+from .startup import Startup, package_versions
+from .startup import active as active_startup
 from .streams import CallOrder
 from .validation import check_int
 
@@ -118,6 +122,7 @@ class LamportOp:
         publish_threads: int = 128,
         spin_timeout_ms: float | None = None,
         check_routes: bool = False,
+        mailbox_allocation: str | None = None,
     ) -> None:
         # Validation only: no CUDA call, no compile, no allocation before every argument is checked.
         self.hidden_size = check_int("hidden_size", hidden_size, minimum=8)
@@ -129,11 +134,17 @@ class LamportOp:
         if publish_threads % 32:
             raise ValueError(f"publish_threads: expected a multiple of 32, got {publish_threads}")
         self.device = normalize_device(device)
-        self.group = resolve_group(group)
+        # The startup votes of this construction (``mhc_core.host.startup``): the constructors that
+        # ``collective`` wraps share one; any other subclass gets its own here.
+        self._startup = active_startup() or Startup(resolve_group(group))
+        self.group = self._startup.group
         self.tp, self.rank = self.group.tp, self.group.rank
         if self.tp not in SUPPORTED_TP:
             raise ValueError(f"group: expected a TP size in {SUPPORTED_TP}, got {self.tp}")
         self.transport = resolve_transport(transport, self.group)
+        self._allocation_request = requested_allocation(mailbox_allocation)
+        if self.transport == "multicast" and self._allocation_request == "ipc":
+            raise ValueError("mailbox_allocation='ipc' has no NVLink multicast mapping: transport='multicast' needs it")
         self.check_routes = bool(check_routes)
         self._timeout_ms = resolve_timeout_ms(spin_timeout_ms)
         store = STORE_MULTICAST if self.transport == "multicast" else STORE_UNICAST
@@ -146,6 +157,7 @@ class LamportOp:
             for dtype in (self.weight_dtypes if self.top_k else ())
         }
         self.mailbox: LamportMailbox | None = None
+        self._kernel_specs: list[KernelSpec] = []
         self._pending_m: int | None = None
         self._closed = False
         self._peers_ready = False
@@ -156,6 +168,7 @@ class LamportOp:
         #: ``warm_up``: a loopback rank's is the whole group's, on its last rank), logged when built.
         self.construction_seconds: dict[str, float] = {}
         self._phase_start = time.perf_counter()
+        self._startup.vote("config", self._fingerprint(), device=self.device)  # before the device is touched
         self.arch = device_arch(self.device)
         self.spin = SpinGuard(self.tp, self._timeout_ms, self.device, self.rank)
         self._order = CallOrder(self.device)
@@ -169,6 +182,7 @@ class LamportOp:
     def _compile(self, spec: KernelSpec) -> CompiledKernel:
         """Load the kernel (shipped or cached: no DSL import), else compile it and persist it into the
         on-disk cache (``mhc_core.host.artifacts``) for the next process."""
+        self._kernel_specs.append(spec)
         with torch.cuda.device(self.device):
             return compile_kernel(spec, self.arch, persist=True)
 
@@ -183,9 +197,15 @@ class LamportOp:
                 f"free on {self.device}"
             )
         self._phase("kernels")
+        startup = self._startup
+        devices = startup.vote("kernels", self._kernels_fingerprint(), self._device_fact(), self.device)
+        allocation = self.group.kind  # "none" and "loopback": this process's own buffers
+        if self.group.kind == "process_group":
+            allocation = choose_allocation(self._allocation_request, devices, self.transport)
         self.mailbox = LamportMailbox(
-            self.group, capacity=self.capacity, hidden=self.hidden_size, device=self.device, transport=self.transport
-        )
+            self.group, capacity=self.capacity, hidden=self.hidden_size, device=self.device, transport=self.transport,
+            startup=startup, allocation=allocation,
+        )  # fmt: skip
         #: This op in the ``torch.ops.mhc`` custom ops (``mhc_core.host.library``), with ``state``.
         self.handle = library.register(self)
         self._order.own(self.mailbox.stage_state, self.mailbox.destinations)
@@ -194,11 +214,47 @@ class LamportOp:
         self._phase("mailbox")
         self._programs = self._build_programs()
         self._phase("programs")
+        startup.vote("mapped", {}, device=self.device)  # every rank can launch: none warms up alone
         with torch.cuda.device(self.device):
             self.group.complete_construction(self)
+        self.spin.check()  # a warm-up that timed out fails here, and the vote below tells every peer
+        startup.vote("ready", {}, device=self.device)
+        startup.end()
         self._phase("warm_up")
         phases = ", ".join(f"{name} {seconds:.3f}" for name, seconds in self.construction_seconds.items())
         LOG.info("built %s in %.3f s (%s)", self, sum(self.construction_seconds.values()), phases)
+
+    def _fingerprint(self) -> dict[str, Any]:
+        """What every rank's op must agree on before anything is allocated (the ``config`` vote)."""
+        return {
+            "op": f"{type(self).__module__}.{type(self).__qualname__}",
+            "versions": package_versions(type(self).__module__),
+            "tp": self.tp,
+            "hidden_size": self.hidden_size,
+            "max_num_tokens": self.capacity,
+            "top_k": self.top_k,
+            "transport": self.transport,
+            "mailbox_allocation": self._allocation_request,
+            "spin_timeout_ms": self._timeout_ms,
+            "publish": dataclasses.asdict(self._publish_config),
+            **self._model_fingerprint(),
+        }
+
+    def _model_fingerprint(self) -> dict[str, Any]:
+        """A model's own fields of the ``config`` fingerprint (hc, geometry, epsilons ...)."""
+        return {}
+
+    def _kernels_fingerprint(self) -> dict[str, Any]:
+        """The arch and every kernel's full key (``mhc_core.host.artifacts.kernel_key``): the ``kernels`` vote."""
+        from .artifacts import kernel_key
+        from .compiler import CALLING_CONVENTION
+
+        symbols = sorted({kernel_key(spec, self.arch, CALLING_CONVENTION).symbol for spec in self._kernel_specs})
+        return {"arch": self.arch, "kernels": symbols}
+
+    def _device_fact(self) -> str | None:
+        """This rank's GPU for a process group (two ranks on one GPU pick the IPC allocation)."""
+        return device_identity(self.device) if self.group.kind == "process_group" else None
 
     def _phase(self, name: str) -> None:
         now = time.perf_counter()
