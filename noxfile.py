@@ -120,46 +120,61 @@ def gpu(session: nox.Session) -> None:
     session.run("python3", "-m", "pytest", "-m", "gpu", "tests", *session.posargs, env=_source_path(), external=True)
 
 
+def _torchrun(session: nox.Session, tp: int, args: list[str], env: dict[str, str]) -> None:
+    """tests.multigpu.run at ``tp`` ranks under torchrun (one process per rank)."""
+    session.run(
+        "python3", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(tp),
+        "-m", "tests.multigpu.run", "--tp", str(tp), *args, env=env, external=True,
+    )  # fmt: skip
+
+
 @nox.session(tags=["multigpu"], venv_backend="none", default=False)
 def multigpu(session: nox.Session) -> None:
-    """torchrun over tests.multigpu.run for each tp in {2, 4, 8} the host has GPUs for.
+    """torchrun over tests.multigpu.run: one process per GPU for each tp in {2, 4, 8} the host has GPUs
+    for; on a one-GPU host (or with ``-- --procs-per-gpu``) tp 2, 4 and 8 as processes sharing the GPUs
+    instead (a gloo group, the mailbox through CUDA IPC), then the kill driver (tests.multigpu.kill:
+    one rank SIGKILLs itself, the others must raise within their spin bound) at tp 2 and 4
+    (``-- --no-kill`` skips it).
 
     NVLink multicast is disabled in torch symmetric memory, NCCL and NVSHMEM unless the user asks
-    with ``nox -s multigpu -- --multicast``: then the three variables are exported with their
-    enabling values (tests.multigpu.run only fills in unset ones). Other posargs go to the runner.
+    with ``nox -s multigpu -- --multicast`` (one process per GPU only): then the three variables are
+    exported with their enabling values (tests.multigpu.run only fills in unset ones). Other posargs
+    go to the runner.
     """
     env = _source_path()
     output = session.run(
         "python3", "-c", "import torch;print(torch.cuda.device_count())", env=env, silent=True, external=True
     )
     count = int(str(output).strip().splitlines()[-1])
-    if count < 2:
-        session.log(f"multi-GPU tests need >= 2 GPUs; this host has {count}: nothing to run")
+    if count < 1:
+        session.log("multi-GPU tests need a GPU; this host has none: nothing to run")
         return
-    forwarded = [arg for arg in session.posargs if arg != "--multicast"]
+    own = ("--multicast", "--procs-per-gpu", "--no-kill")
+    forwarded = [arg for arg in session.posargs if arg not in own]
+    procs_per_gpu = "--procs-per-gpu" in session.posargs or count == 1
     if "--multicast" in session.posargs:
+        if procs_per_gpu:
+            session.error("--multicast needs one process per GPU (symmetric memory), not processes sharing a GPU")
         env.update(MULTICAST)
         session.log("NVLink multicast requested: " + " ".join(f"{k}={v}" for k, v in MULTICAST.items()))
     else:
         env.update(NO_MULTICAST)
+    if not procs_per_gpu:
+        for tp in (2, 4, 8):
+            if tp > count:
+                break
+            _torchrun(session, tp, forwarded, env)
+        return
+    session.log(f"processes per GPU: tp 2, 4 and 8 as processes on {count} GPU(s) (rank r on GPU r % {count})")
     for tp in (2, 4, 8):
-        if tp > count:
-            break
+        _torchrun(session, tp, [*forwarded, "--procs-per-gpu"], env)
+    if "--no-kill" in session.posargs:
+        return
+    for tp, victim in ((2, 1), (4, 0)):  # (tp, the rank that kills itself: the last, then the store's host)
         session.run(
-            "python3",
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(tp),
-            "-m",
-            "tests.multigpu.run",
-            "--tp",
-            str(tp),
-            *forwarded,
-            env=env,
-            external=True,
-        )
+            "python3", "-m", "tests.multigpu.kill", "--tp", str(tp), "--kill-rank", str(victim), "--procs-per-gpu",
+            env=env, external=True,
+        )  # fmt: skip
 
 
 @nox.session(tags=["bench"], venv_backend="none", default=False)

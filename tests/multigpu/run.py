@@ -1,21 +1,45 @@
-"""Multi-GPU suite: one process per GPU under torchrun, a real NCCL group, torch symmetric memory,
-unicast transport (NVLink multicast stays off).
+"""Multi-GPU suite: every rank a process, a real torch process group, the ops' own transport (NVLink
+multicast stays off). Two modes, and a third for one killed rank:
+
+* **One process per GPU** (the default): torchrun, a NCCL group, the mailbox in torch symmetric
+  memory::
 
     python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.multigpu.run --tp 2
 
+* **Processes per GPU** (``--procs-per-gpu``): rank r on GPU ``r % device_count`` (every rank on GPU 0
+  of a one-GPU host), a gloo group (NCCL cannot put two ranks on one GPU), the mailbox mapped through
+  CUDA IPC (the ops' ``mailbox_allocation="auto"`` takes it when ranks share a GPU); the harness's
+  own collectives go through CPU tensors. Without MPS the processes' kernels time-slice: a spinning
+  collective waits for its peers' slices (correct, slower)::
+
+    python3 -m torch.distributed.run --standalone --nproc-per-node 4 -m tests.multigpu.run --tp 4 --procs-per-gpu
+
+* **Kill** (``--kill-rank R``): driven by ``tests.multigpu.kill`` (not torchrun, which tears the job
+  down when a rank dies): good calls, then rank R SIGKILLs itself; every other rank's next calls must
+  raise (``LamportTimeoutError``, or a CUDA error) within the spin bound plus slack.
+
 Every rank draws every rank's inputs from the same seed, runs its own share through the op and
-checks its outputs against the reference; outputs are then gathered and compared bit for bit
-across ranks. Prints one line per case and ends with "N passed, M failed".
+checks its outputs against the reference; outputs are then compared bit for bit across ranks. The
+suites: ``core``, ``dsv41``, ``glm5`` (shapes, MoE finalize, CUDA graphs) and ``stress`` (hundreds of
+calls of random M with random host-side delays per rank; construction, a call and ``close()`` with
+one rank a second late). Prints one line per case with the wall time of its slowest rank and ends
+with "multigpu: N passed, M failed".
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
+import random
+import signal
 import sys
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 for package in ("mhc-core", "mhc-dsv41", "mhc-glm5"):
@@ -29,15 +53,120 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from tests.support import assert_bitwise_equal, bf16_randn, poisoned  # noqa: E402
+from tests.support import assert_bitwise_equal, bf16_randn, bits, poisoned  # noqa: E402
 
 CAPACITY = 160
+SUITE_NAMES = ("core", "dsv41", "glm5", "stress")
+MAILBOX_ALLOCATION_ENV = "MHC_MAILBOX_ALLOCATION"
+#: Host-side delay before each stressed call: uniform in [0, MAX_DELAY_S], per rank.
+MAX_DELAY_S = 0.002
+#: Stressed calls are launched this many at a time, then checked (the GPU runs ahead of the checks).
+CHECK_EVERY = 16
+#: How late rank tp - 1 is to construction, its first call and close() in the skew cases.
+SKEW_S = 1.0
+#: Calls a surviving rank makes after the kill before it gives up waiting for an error.
+KILL_CALLS = 3
+
+#: Where the harness's own collectives run: CUDA tensors under NCCL, CPU tensors under gloo.
+COLLECTIVE_DEVICE = torch.device("cuda")
 
 
+# -------------------------------------------------------------------------- options
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python3 -m tests.multigpu.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tp", type=int, required=True, choices=(2, 4, 8))
+    parser.add_argument("--only", choices=SUITE_NAMES, action="append", help="run only these suites (repeatable)")
+    parser.add_argument(
+        "--procs-per-gpu",
+        action="store_true",
+        help="rank r on GPU r %% device_count, a gloo group, the mailbox through CUDA IPC (ranks sharing a GPU)",
+    )
+    parser.add_argument(
+        "--mailbox-allocation",
+        choices=("auto", "symmetric", "ipc"),
+        help=f"export {MAILBOX_ALLOCATION_ENV} (the ops' mailbox_allocation; default: the op's 'auto')",
+    )
+    parser.add_argument(
+        "--calls-scale",
+        type=float,
+        default=1.0,
+        help="scale every loop's call and replay count (e.g. 0.2 where time-slicing makes calls slow)",
+    )
+    parser.add_argument("--stress-calls", type=int, default=300, help="calls per stressed op (before --calls-scale)")
+    kill = parser.add_argument_group("kill mode (run by tests.multigpu.kill)")
+    kill.add_argument("--kill-rank", type=int, help="this rank SIGKILLs itself after the good calls")
+    kill.add_argument("--kill-spin-ms", type=float, default=3000.0, help="the op's spin_timeout_ms in kill mode")
+    kill.add_argument("--kill-slack-s", type=float, default=5.0, help="seconds allowed beyond the spin bound")
+    kill.add_argument("--kill-good-calls", type=int, default=20, help="checked calls before the kill")
+    options = parser.parse_args(argv)
+    if options.kill_rank is not None and not 0 <= options.kill_rank < options.tp:
+        parser.error(f"--kill-rank: expected a rank in [0, {options.tp}), got {options.kill_rank}")
+    if options.calls_scale <= 0:
+        parser.error(f"--calls-scale: expected > 0, got {options.calls_scale}")
+    return options
+
+
+def scaled(count: int, options: argparse.Namespace) -> int:
+    """A loop's count under ``--calls-scale`` (at least 1)."""
+    return max(1, round(count * options.calls_scale))
+
+
+def rank_device(local_rank: int, device_count: int, procs_per_gpu: bool) -> int:
+    """The GPU of a rank: its own (one process per GPU), else shared round-robin."""
+    if procs_per_gpu:
+        if device_count < 1:
+            raise RuntimeError("--procs-per-gpu: no CUDA device is visible")
+        return local_rank % device_count
+    if local_rank >= device_count:
+        raise RuntimeError(
+            f"local rank {local_rank} but {device_count} GPUs: one process per GPU needs a GPU per rank "
+            "(--procs-per-gpu runs several ranks on one GPU)"
+        )
+    return local_rank
+
+
+def backend(procs_per_gpu: bool) -> str:
+    """NCCL cannot put two ranks on one GPU: processes per GPU take gloo."""
+    return "gloo" if procs_per_gpu else "nccl"
+
+
+def init(options: argparse.Namespace) -> tuple[Any, int, int]:
+    """Bind this rank's GPU and start the process group; (group, tp, rank)."""
+    global COLLECTIVE_DEVICE
+    if options.mailbox_allocation:
+        os.environ[MAILBOX_ALLOCATION_ENV] = options.mailbox_allocation
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = rank_device(local_rank, torch.cuda.device_count(), options.procs_per_gpu)
+    torch.cuda.set_device(device)
+    if options.procs_per_gpu:
+        # Every rank is on this host: gloo over loopback (the lent hosts resolve no outside address).
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group("gloo", timeout=timedelta(minutes=10))
+        COLLECTIVE_DEVICE = torch.device("cpu")
+    else:
+        dist.init_process_group("nccl", device_id=torch.device("cuda", device))
+        COLLECTIVE_DEVICE = torch.device("cuda", device)
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    if tp != options.tp:
+        raise SystemExit(f"--tp {options.tp} but the process group has {tp} ranks")
+    return dist.group.WORLD, tp, rank
+
+
+# ------------------------------------------------------------- the harness's collectives
 def gather_bits(tensor: torch.Tensor) -> list[torch.Tensor]:
-    """Every rank's copy of ``tensor`` (NCCL all_gather has no int16: gather the raw dtype)."""
-    copies = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-    dist.all_gather(copies, tensor.contiguous())
+    """Every rank's copy of ``tensor``, bit for bit. NCCL all_gather has no int16: gather the raw
+    dtype on the GPU; gloo takes CPU tensors and no int16 or BF16 either: gather the bytes."""
+    local = tensor.contiguous()
+    world = dist.get_world_size()
+    if COLLECTIVE_DEVICE.type == "cpu":
+        raw = local.cpu().view(torch.uint8)
+        copies = [torch.empty_like(raw) for _ in range(world)]
+        dist.all_gather(copies, raw)
+        return [copy.view(tensor.dtype) for copy in copies]
+    copies = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(copies, local)
     return copies
 
 
@@ -48,15 +177,41 @@ def check_identical_across_ranks(*tensors: torch.Tensor) -> None:
             assert_bitwise_equal(copy, copies[0], f"output {index}: rank {rank} vs rank 0")
 
 
+def agree(ok: bool, seconds: float) -> tuple[bool, float]:
+    """Whether every rank passed, and the slowest rank's seconds (one all-reduce, MAX of both)."""
+    values = torch.tensor([0.0 if ok else 1.0, seconds], dtype=torch.float64, device=COLLECTIVE_DEVICE)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values[0].item() == 0.0, values[1].item()
+
+
+def digest(*tensors: torch.Tensor) -> str:
+    """The bits of ``tensors`` hashed (compared across ranks without moving them all)."""
+    hasher = hashlib.blake2b(digest_size=16)
+    for tensor in tensors:
+        hasher.update(bits(tensor.contiguous()).cpu().numpy().tobytes())
+    return hasher.hexdigest()
+
+
+def gather_objects(value: Any) -> list[Any]:
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
 def shared_generator(seed: int) -> torch.Generator:
     return torch.Generator("cuda").manual_seed(seed)
 
 
+def synchronize() -> None:
+    torch.cuda.synchronize()
+
+
 # ----------------------------------------------------------------------------- core
-def core_cases(group, tp: int, rank: int) -> dict[str, Callable[[], None]]:
+def core_cases(group, tp: int, rank: int, options: argparse.Namespace) -> dict[str, Callable[[], Any]]:
     from mhc_core import LamportAllReduce, MoEOutput, reference
 
     ops: dict[tuple, LamportAllReduce] = {}
+    calls, replays = scaled(100, options), scaled(1000, options)
 
     def op_for(hidden: int, top_k: int = 0) -> LamportAllReduce:
         if (hidden, top_k) not in ops:
@@ -80,9 +235,9 @@ def core_cases(group, tp: int, rank: int) -> dict[str, Callable[[], None]]:
         result = op_for(4096)(x)
         assert (result.view(torch.int16) == 0).all()
 
-    def hundred_calls() -> None:
+    def consecutive_calls() -> None:
         generator = shared_generator(100)
-        for call in range(100):
+        for call in range(calls):
             m = 1 + (call * 37) % CAPACITY
             partials = [bf16_randn(m, 2560, generator=generator) for _ in range(tp)]
             assert_bitwise_equal(op_for(2560)(partials[rank]), reference.all_reduce(partials), f"call {call}")
@@ -96,7 +251,7 @@ def core_cases(group, tp: int, rank: int) -> dict[str, Callable[[], None]]:
         with torch.cuda.graph(graph):
             op(x, out=out)
         generator = shared_generator(1000)
-        for replay in range(1000):
+        for replay in range(replays):
             partials = [bf16_randn(m, 4096, generator=generator) for _ in range(tp)]
             x.copy_(partials[rank])
             out.view(torch.int16).fill_(0x7FA5)
@@ -104,6 +259,9 @@ def core_cases(group, tp: int, rank: int) -> dict[str, Callable[[], None]]:
             assert_bitwise_equal(out, reference.all_reduce(partials), f"replay {replay}")
 
     def finalize() -> None:
+        from tests.core.test_finalize_gpu import finalize_tolerance
+        from tests.support import assert_within, bf16_ulp
+
         for weight_dtype in (torch.float32, torch.bfloat16):
             generator = shared_generator(7 if weight_dtype == torch.float32 else 8)
             for m in (1, 13, CAPACITY):
@@ -124,9 +282,6 @@ def core_cases(group, tp: int, rank: int) -> dict[str, Callable[[], None]]:
                         )
                     )
                 result = op_for(4608, top_k=8)(moes[rank])
-                from tests.core.test_finalize_gpu import finalize_tolerance
-                from tests.support import assert_within, bf16_ulp
-
                 values = [
                     reference.finalize(
                         mo.gemm2_permuted, mo.expert_weights, mo.expanded_idx_to_permuted_idx, mo.shared_output
@@ -142,14 +297,14 @@ def core_cases(group, tp: int, rank: int) -> dict[str, Callable[[], None]]:
     return {
         "core: all-reduce shapes, bit-exact": all_reduce_shapes,
         "core: -0 inputs": negative_zero_inputs,
-        "core: 100 consecutive calls": hundred_calls,
-        "core: CUDA graph, 1000 replays": graph_replays,
+        f"core: {calls} consecutive calls": consecutive_calls,
+        f"core: CUDA graph, {replays} replays": graph_replays,
         "core: MoE finalize, fp32 and bf16 weights": finalize,
     }
 
 
 # ---------------------------------------------------------------------------- dsv41
-def dsv41_cases(group, tp: int, rank: int) -> dict[str, Callable[[], None]]:
+def dsv41_cases(group, tp: int, rank: int, options: argparse.Namespace) -> dict[str, Callable[[], Any]]:
     from mhc_core import reference
     from mhc_dsv41 import AllReduceMHC, presets
     from tests.dsv41.test_allreduce_mhc_gpu import NORM_EPS, check_outputs, inputs
@@ -157,6 +312,7 @@ def dsv41_cases(group, tp: int, rank: int) -> dict[str, Callable[[], None]]:
     name = f"h200-tp{tp}-h5120"
     op = AllReduceMHC.from_preset(name, max_num_tokens=CAPACITY, device="cuda", group=group)
     hc, hidden = presets.get(name).PRESET.hc, presets.get(name).PRESET.hidden
+    replays = scaled(200, options)
 
     def shapes() -> None:
         generator = shared_generator(41)
@@ -179,7 +335,7 @@ def dsv41_cases(group, tp: int, rank: int) -> dict[str, Callable[[], None]]:
             cuda_graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(cuda_graph):
                 op(x, residual, post, comb, pre, weight, NORM_EPS, out=out)
-            for _ in range(200):
+            for _ in range(replays):
                 partials = [bf16_randn(m, hidden, generator=generator) for _ in range(tp)]
                 x.copy_(partials[rank])
                 for static, value in zip(
@@ -190,12 +346,13 @@ def dsv41_cases(group, tp: int, rank: int) -> dict[str, Callable[[], None]]:
                     static.copy_(value)
                 cuda_graph.replay()
                 check_outputs([out], reference.all_reduce(partials), residual, post, comb, pre, weight)
+            check_identical_across_ranks(*out)
 
-    return {f"dsv41: {name} shapes": shapes, f"dsv41: {name} CUDA graphs": graph}
+    return {f"dsv41: {name} shapes": shapes, f"dsv41: {name} CUDA graphs, {replays} replays per M": graph}
 
 
 # ----------------------------------------------------------------------------- glm5
-def glm5_cases(group, tp: int, rank: int) -> dict[str, Callable[[], None]]:
+def glm5_cases(group, tp: int, rank: int, options: argparse.Namespace) -> dict[str, Callable[[], Any]]:
     from mhc_core import reference
     from mhc_glm5 import AllReduceMhcBoundary
     from tests.glm5.checks import boundary_inputs, check_boundary
@@ -251,38 +408,327 @@ def glm5_cases(group, tp: int, rank: int) -> dict[str, Callable[[], None]]:
     }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--tp", type=int, required=True)
-    parser.add_argument("--only", choices=("core", "dsv41", "glm5"), action="append")
-    options = parser.parse_args()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    group = dist.group.WORLD
-    tp, rank = dist.get_world_size(), dist.get_rank()
-    if tp != options.tp:
-        raise SystemExit(f"--tp {options.tp} but the process group has {tp} ranks")
-    suites = {"core": core_cases, "dsv41": dsv41_cases, "glm5": glm5_cases}
+# --------------------------------------------------------------------------- stress
+def random_calls(
+    op: Any,
+    rank: int,
+    calls: int,
+    seed: int,
+    make_call: Callable[[int, int], tuple[tuple, Any]],
+    check_call: Callable[[Any, Any], None],
+) -> str:
+    """``calls`` calls of ``op`` with ranks out of step: M per call from a generator seeded alike on
+    every rank (the same M everywhere), each rank sleeping a random 0-2 ms (its own seed) before
+    each call; launched ``CHECK_EVERY`` at a time, then each checked (``check_call(outputs,
+    context)`` raises) and hashed. The hashes are compared across ranks at the end.
+
+    ``make_call(index, m)`` returns this rank's call arguments and a check context. A failed check
+    is kept and the calls go on, and an op error ends this rank's calls, so that every rank reaches
+    the final gather and ``close()`` (collectives) whatever fails; the first failure is raised then.
+    """
+    shared = random.Random(seed)
+    delays = random.Random(seed * 7919 + rank + 1)
+    pending: list[tuple[int, int, Any, Any]] = []
+    hashes: list[str] = []
+    failure: BaseException | None = None
+    slept = 0.0
+
+    def check_pending() -> None:
+        nonlocal failure
+        for index, m, context, outputs in pending:
+            try:
+                check_call(outputs, context)
+            except AssertionError as error:
+                failure = failure or AssertionError(f"call {index} (M = {m}): {error}")
+            hashes.append(digest(*(outputs if isinstance(outputs, tuple) else (outputs,))))
+        pending.clear()
+
+    try:
+        for index in range(calls):
+            m = shared.randint(1, CAPACITY)
+            args, context = make_call(index, m)
+            delay = delays.uniform(0.0, MAX_DELAY_S)
+            time.sleep(delay)
+            slept += delay
+            pending.append((index, m, context, op(*args)))
+            if len(pending) == CHECK_EVERY:
+                check_pending()
+        check_pending()
+        op.check()
+    except Exception as error:  # the op failed: stop calling, keep the ranks' collectives in step
+        traceback.print_exc()
+        failure = failure or error
+    everyone = gather_objects(hashes)
+    op.close()
+    if failure is not None:
+        raise failure
+    for peer, theirs in enumerate(everyone):
+        if len(theirs) != len(hashes):
+            raise AssertionError(f"rank {peer} checked {len(theirs)} calls, rank {rank} {len(hashes)}")
+        different = [index for index, (a, b) in enumerate(zip(theirs, hashes, strict=True)) if a != b]
+        if different:
+            raise AssertionError(f"rank {peer}'s outputs differ bitwise from rank {rank}'s in calls {different[:8]}")
+    return f"{calls} calls, M in [1, {CAPACITY}], rank {rank} slept {slept:.2f} s in total"
+
+
+def skewed(rank: int, tp: int, build: Callable[[], Any], use: Callable[[Any], tuple], calls: int = 4) -> str:
+    """Rank tp - 1 sleeps ``SKEW_S`` before building the op, before its first call and before
+    ``close()``; the others do not. Every step must succeed on every rank, and ``use(op)`` (one
+    checked call, returning its outputs) give bitwise the same outputs on every rank (hashed,
+    compared before ``close()``). Returns how long this rank's steps took (on a punctual rank:
+    about ``SKEW_S`` each, the wait for the late one)."""
+    late = rank == tp - 1
+    seconds: dict[str, float] = {}
+    failure: BaseException | None = None
+    hashes: list[str] = []
+
+    def step(name: str, action: Callable[[], Any]) -> Any:
+        if late:
+            time.sleep(SKEW_S)
+        start = time.perf_counter()
+        value = action()
+        synchronize()
+        seconds[name] = time.perf_counter() - start
+        return value
+
+    def call(op: Any) -> None:
+        # A failed call is kept and the steps go on: close() is collective, every rank must reach it.
+        nonlocal failure
+        try:
+            hashes.append(digest(*use(op)))
+        except Exception as error:
+            traceback.print_exc()
+            failure = failure or error
+
+    op = step("construction", build)
+    step("first call", lambda: call(op))
+    for _ in range(calls - 1):
+        call(op)
+    everyone = gather_objects(hashes)
+    step("close()", op.close)
+    if failure is not None:
+        raise failure
+    if any(theirs != hashes for theirs in everyone):
+        raise AssertionError(f"the ranks' outputs differ bitwise: {everyone}")
+    described = ", ".join(f"{name} {value:.2f} s" for name, value in seconds.items())
+    return f"rank {rank}{' (late)' if late else ''}: {described}"
+
+
+def stress_cases(group, tp: int, rank: int, options: argparse.Namespace) -> dict[str, Callable[[], Any]]:
+    from mhc_core import LamportAllReduce, reference
+    from mhc_dsv41 import AllReduceMHC, presets
+    from mhc_glm5 import AllReduceMhcBoundary
+    from tests.dsv41.test_allreduce_mhc_gpu import NORM_EPS, check_outputs, inputs
+    from tests.glm5.checks import boundary_inputs, check_boundary
+
+    calls = scaled(options.stress_calls, options)
+    dsv_name, glm_name = f"h200-tp{tp}-h5120", f"h200-tp{tp}-h4096"
+    hc, dsv_hidden = presets.get(dsv_name).PRESET.hc, presets.get(dsv_name).PRESET.hidden
+
+    def all_reduce_random() -> str:
+        op = LamportAllReduce(hidden_size=4096, max_num_tokens=CAPACITY, device="cuda", group=group)
+        generator = shared_generator(4096)
+
+        def make_call(index: int, m: int) -> tuple[tuple, Any]:
+            partials = [bf16_randn(m, 4096, generator=generator) for _ in range(tp)]
+            return (partials[rank],), partials
+
+        def check_call(result: torch.Tensor, partials: list[torch.Tensor]) -> None:
+            assert_bitwise_equal(result, reference.all_reduce(partials), "all-reduce")
+
+        return random_calls(op, rank, calls, 31, make_call, check_call)
+
+    def dsv41_random() -> str:
+        op = AllReduceMHC.from_preset(dsv_name, max_num_tokens=CAPACITY, device="cuda", group=group)
+        generator = shared_generator(5120)
+
+        def make_call(index: int, m: int) -> tuple[tuple, Any]:
+            residual, post, comb, pre, weight = inputs(
+                m, hc, dsv_hidden, generator, post_3d=index % 2 == 1, negative_zero=index % 5 == 0
+            )
+            partials = [bf16_randn(m, dsv_hidden, generator=generator) for _ in range(tp)]
+            return (partials[rank], residual, post, comb, pre, weight, NORM_EPS), (
+                partials, residual, post, comb, pre, weight,
+            )  # fmt: skip
+
+        def check_call(result: tuple, context: tuple) -> None:
+            partials, *mixes = context
+            check_outputs([result], reference.all_reduce(partials), *mixes)
+
+        return random_calls(op, rank, calls, 41, make_call, check_call)
+
+    def all_reduce_skew() -> str:
+        generator = shared_generator(17)
+
+        def use(op: LamportAllReduce) -> tuple:
+            partials = [bf16_randn(5, 4096, generator=generator) for _ in range(tp)]
+            result = op(partials[rank])
+            assert_bitwise_equal(result, reference.all_reduce(partials), "skewed call")
+            return (result,)
+
+        return skewed(
+            rank,
+            tp,
+            lambda: LamportAllReduce(hidden_size=4096, max_num_tokens=16, device="cuda", group=group),
+            use,
+        )
+
+    def glm5_skew() -> str:
+        generator = shared_generator(19)
+
+        def use(op: AllReduceMhcBoundary) -> tuple:
+            m = 5
+            args = boundary_inputs(m, op.hidden_size, generator)
+            partials = [bf16_randn(m, op.hidden_size, generator=generator) for _ in range(tp)]
+            result = op(partials[rank], *args.values())
+            op.join()
+            synchronize()
+            raw = op.raw_mixes[:m].clone()
+            check_boundary(op, [result], reference.all_reduce(partials, lanes=4), args, [raw])
+            return (*result, raw)
+
+        return skewed(
+            rank,
+            tp,
+            lambda: AllReduceMhcBoundary.from_preset(glm_name, max_num_tokens=64, device="cuda", group=group),
+            use,
+        )
+
+    return {
+        f"stress: LamportAllReduce, {calls} calls, random M, 0-2 ms host delays": all_reduce_random,
+        f"stress: dsv41 {dsv_name}, {calls} calls, random M, 0-2 ms host delays": dsv41_random,
+        f"stress: LamportAllReduce built, first called and closed with rank {tp - 1} {SKEW_S:.0f} s late": (
+            all_reduce_skew
+        ),
+        f"stress: glm5 {glm_name} built, first called and closed with rank {tp - 1} {SKEW_S:.0f} s late": glm5_skew,
+    }
+
+
+SUITES: dict[str, Callable[..., dict[str, Callable[[], Any]]]] = {
+    "core": core_cases,
+    "dsv41": dsv41_cases,
+    "glm5": glm5_cases,
+    "stress": stress_cases,
+}
+
+
+# ----------------------------------------------------------------------------- kill
+def kill_result_line(
+    rank: int, error: BaseException | None, seconds: float, bound: float, calls: int, again: BaseException | None
+) -> tuple[bool, str]:
+    """A surviving rank's verdict and the line ``tests.multigpu.kill`` reads: it passes when its
+    calls raised a ``LamportTimeoutError`` (or a CUDA error: the dead process's memory may have gone
+    with it) within ``bound`` seconds, and the call after that raised again."""
+    from mhc_core import LamportTimeoutError
+
+    expected = isinstance(error, LamportTimeoutError) or (isinstance(error, RuntimeError) and "CUDA" in str(error))
+    ok = expected and seconds <= bound and again is not None
+    missing = getattr(error, "missing_ranks", None)
+    line = (
+        f"KILL-RESULT rank={rank} ok={int(ok)} error={type(error).__name__ if error else None} "
+        f"seconds={seconds:.3f} bound={bound:.3f} calls={calls} missing={list(missing) if missing else None} "
+        f"again={type(again).__name__ if again else None}"
+    )
+    return ok, line
+
+
+def kill_main(options: argparse.Namespace, group, tp: int, rank: int) -> int:
+    """Good calls, a barrier, then rank ``--kill-rank`` SIGKILLs itself (its GPU idle, its last call
+    collected: it publishes nothing more) and every other rank calls on until a call raises."""
+    from mhc_core import LamportAllReduce, reference
+
+    victim = options.kill_rank
+    op = LamportAllReduce(
+        hidden_size=4096, max_num_tokens=16, device="cuda", group=group, spin_timeout_ms=options.kill_spin_ms
+    )
+    generator = shared_generator(23)
+    for call in range(options.kill_good_calls):
+        partials = [bf16_randn(8, 4096, generator=generator) for _ in range(tp)]
+        assert_bitwise_equal(op(partials[rank]), reference.all_reduce(partials), f"good call {call}")
+    op.check()
+    synchronize()
+    dist.barrier()
+    if rank == victim:
+        print(f"KILL rank={rank}: {options.kill_good_calls} good calls done, SIGKILL to myself", flush=True)
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    bound = options.kill_spin_ms / 1000 + options.kill_slack_s
+    x = bf16_randn(8, 4096, generator=generator)
+    error: BaseException | None = None
+    again: BaseException | None = None
+    calls = 0
+    start = time.perf_counter()
+    while calls < KILL_CALLS and error is None:
+        calls += 1
+        try:
+            op(x)
+            synchronize()
+            op.check()
+        except Exception as caught:
+            error = caught
+    seconds = time.perf_counter() - start
+    if error is not None:
+        try:
+            op(x)
+            synchronize()
+            op.check()
+        except Exception as caught:
+            again = caught
+    ok, line = kill_result_line(rank, error, seconds, bound, calls, again)
+    print(line, flush=True)
+    if error is not None:
+        print(f"rank {rank}: {type(error).__name__}: {str(error).splitlines()[0]}", flush=True)
+    sys.stderr.flush()
+    # No close() or destroy_process_group(): both are collective, and a peer is dead.
+    os._exit(0 if ok else 1)
+
+
+# ----------------------------------------------------------------------------- main
+def main(argv: Sequence[str] | None = None) -> int:
+    options = parse_args(argv)
+    group, tp, rank = init(options)
+    if options.kill_rank is not None:
+        return kill_main(options, group, tp, rank)
+    mode = "processes per GPU, gloo" if options.procs_per_gpu else "one process per GPU, NCCL"
+    if rank == 0:
+        allocation = os.environ.get(MAILBOX_ALLOCATION_ENV, "auto (unset)")
+        print(
+            f"multigpu tp={tp}: {mode}, {torch.cuda.device_count()} GPU(s) visible, "
+            f"{MAILBOX_ALLOCATION_ENV}={allocation}, MHC_SPIN_TIMEOUT_MS={os.environ['MHC_SPIN_TIMEOUT_MS']}",
+            flush=True,
+        )
     passed = failed = 0
-    for suite, make_cases in suites.items():
+    total = time.perf_counter()
+    kept = []  # every suite's ops stay alive until the end: none is freed while a peer may map it
+    for suite, make_cases in SUITES.items():
         if options.only and suite not in options.only:
             continue
-        for name, case in make_cases(group, tp, rank).items():
+        start = time.perf_counter()
+        cases = make_cases(group, tp, rank, options)  # builds the suite's ops (collective)
+        kept.append(cases)
+        synchronize()
+        _, seconds = agree(True, time.perf_counter() - start)
+        if rank == 0:
+            print(f"setup tp={tp} {suite}: {seconds:.1f} s", flush=True)
+        for name, case in cases.items():
+            start = time.perf_counter()
+            detail = None
             try:
-                case()
-                torch.cuda.synchronize()
-                ok = torch.tensor([1], device="cuda")
+                detail = case()
+                synchronize()
+                ok = True
             except Exception:  # report, then keep the ranks in step
                 traceback.print_exc()
-                ok = torch.tensor([0], device="cuda")
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+                ok = False
+            ok, seconds = agree(ok, time.perf_counter() - start)
             if rank == 0:
-                print(f"{'PASS' if ok.item() else 'FAIL'} tp={tp} {name}", flush=True)
-            passed += int(ok.item())
-            failed += 1 - int(ok.item())
+                note = f" [{detail}]" if detail else ""
+                print(f"{'PASS' if ok else 'FAIL'} tp={tp} {name} ({seconds:.1f} s){note}", flush=True)
+            passed += int(ok)
+            failed += 1 - int(ok)
     dist.barrier()
     if rank == 0:
+        print(f"multigpu tp={tp} ({mode}): {time.perf_counter() - total:.1f} s in total", flush=True)
         print(f"multigpu: {passed} passed, {failed} failed", flush=True)
     dist.destroy_process_group()
     return 0 if failed == 0 else 1
