@@ -6,24 +6,18 @@ GPU: the multi-process suite, ``tests.multigpu``.)"""
 
 from __future__ import annotations
 
-import datetime
-import multiprocessing
-import traceback
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-#: Long enough for two processes to import torch and the packages on a loaded 2-core machine.
-DEADLINE_S = 180
-WORLD = 2
+from tests.processes import Outcome, run_ranks_as_processes
 
 
-def _build(model: str, options: dict[str, Any]) -> None:
+def _build(rank: int, world: int, model: str, per_rank: list[dict[str, Any]]) -> None:
     import torch.distributed as dist
 
-    group = dist.group.WORLD
+    group, options = dist.group.WORLD, dict(per_rank[rank])
     if model == "dsv41":
         from mhc_dsv41 import AllReduceMHC
 
@@ -47,48 +41,9 @@ def _build(model: str, options: dict[str, Any]) -> None:
         LamportAllReduce(**(dict(hidden_size=4096, max_num_tokens=64) | options), device="cuda:0", group=group)
 
 
-def _rank(rank: int, store: str, model: str, options: dict[str, Any], results: Any) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120)
-    )
-    try:
-        _build(model, dict(options))
-        results.put((rank, "built", ""))
-    except BaseException as error:  # report any outcome: the parent decides
-        results.put((rank, type(error).__name__, f"{error}\n{traceback.format_exc()}"))
-    finally:
-        dist.destroy_process_group()
-
-
-def build_on_ranks(tmp_path: Path, model: str, per_rank: list[dict[str, Any]]) -> dict[int, tuple[str, str]]:
-    """Build ``model`` on two gloo ranks (rank r with ``per_rank[r]``): rank -> (outcome, message).
-    Fails the test if any rank is still running after ``DEADLINE_S`` (it waits for its peer)."""
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    store = str(tmp_path / "store")
-    processes = [context.Process(target=_rank, args=(r, store, model, per_rank[r], results)) for r in range(WORLD)]
-    for process in processes:
-        process.start()
-    outcomes: dict[int, tuple[str, str]] = {}
-    try:
-        for _ in range(WORLD):
-            rank, outcome, message = results.get(timeout=DEADLINE_S)
-            outcomes[rank] = (outcome, message)
-    except Exception:
-        pass
-    for process in processes:
-        process.join(timeout=10)
-        if process.is_alive():
-            process.kill()
-    hung = [rank for rank in range(WORLD) if rank not in outcomes]
-    assert not hung, f"ranks {hung} never finished construction (waiting for a peer); the others: {outcomes}"
-    return outcomes
-
-
-def first_line(outcome: tuple[str, str]) -> str:
-    return outcome[1].splitlines()[0] if outcome[1] else ""
+def build_on_ranks(model: str, per_rank: list[dict[str, Any]]) -> dict[int, Outcome]:
+    """Build ``model`` on two gloo ranks, rank r with ``per_rank[r]``; fails if any rank hangs."""
+    return run_ranks_as_processes(_build, len(per_rank), model, per_rank)
 
 
 @pytest.mark.parametrize(
@@ -101,35 +56,35 @@ def first_line(outcome: tuple[str, str]) -> str:
         ("glm5", "mailbox_allocation", [{"mailbox_allocation": "ipc"}, {"mailbox_allocation": "auto"}]),
     ],
 )
-def test_a_configuration_that_differs_raises_on_every_rank(tmp_path, model, field, options):
-    outcomes = build_on_ranks(tmp_path, model, options)
+def test_a_configuration_that_differs_raises_on_every_rank(model, field, options):
+    outcomes = build_on_ranks(model, options)
     for rank, outcome in outcomes.items():
-        assert outcome[0] == "StartupError", f"rank {rank}: expected StartupError, got {outcome}"
-        message = first_line(outcome)
+        assert outcome.kind == "StartupError", f"rank {rank}: expected StartupError, got {outcome}"
+        message = outcome.first_line
         assert field in message and "rank 0 =" in message and "rank 1 =" in message, message
         assert "nothing was allocated" in message, message
 
 
-def test_a_rank_whose_arguments_fail_stops_its_peers(tmp_path):
-    outcomes = build_on_ranks(tmp_path, "dsv41", [{}, {"hc_mult": 0}])
-    assert outcomes[1][0] == "ValueError" and "hc_mult" in first_line(outcomes[1]), outcomes[1]
-    assert outcomes[0][0] == "StartupError", outcomes[0]
-    message = first_line(outcomes[0])
+def test_a_rank_whose_arguments_fail_stops_its_peers():
+    outcomes = build_on_ranks("dsv41", [{}, {"hc_mult": 0}])
+    assert outcomes[1].kind == "ValueError" and "hc_mult" in outcomes[1].first_line, outcomes[1]
+    assert outcomes[0].kind == "StartupError", outcomes[0]
+    message = outcomes[0].first_line
     assert "rank 1" in message and "hc_mult" in message, message
 
 
-def test_a_preset_the_peer_lacks_stops_its_peers(tmp_path):
-    outcomes = build_on_ranks(tmp_path, "dsv41-preset", [{"name": "h200-tp2-h5120"}, {"name": "no-such-preset"}])
-    assert outcomes[0][0] == "StartupError" and "no-such-preset" in first_line(outcomes[0]), outcomes[0]
+def test_a_preset_the_peer_lacks_stops_its_peers():
+    outcomes = build_on_ranks("dsv41-preset", [{"name": "h200-tp2-h5120"}, {"name": "no-such-preset"}])
+    assert outcomes[0].kind == "StartupError" and "no-such-preset" in outcomes[0].first_line, outcomes[0]
 
 
-def test_ranks_that_agree_fail_alike_past_the_votes_without_waiting(tmp_path):
+def test_ranks_that_agree_fail_alike_past_the_votes_without_waiting():
     """Equal configurations pass the config vote; on a CPU every rank then fails on the device,
     and each one's failure ballot meets its peer's (nobody waits in the kernels vote)."""
-    outcomes = build_on_ranks(tmp_path, "dsv41", [{}, {}])
+    outcomes = build_on_ranks("dsv41", [{}, {}])
     for rank, outcome in outcomes.items():
-        assert outcome[0] in ("AssertionError", "RuntimeError", "StartupError", "built"), (rank, outcome)
-        assert "configurations" not in first_line(outcome), outcome
+        assert outcome.kind in ("AssertionError", "RuntimeError", "StartupError", "ok"), (rank, outcome)
+        assert "configurations" not in outcome.first_line, outcome
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU host rank 0 builds: tests/core/test_startup_gpu.py")

@@ -102,7 +102,7 @@ class DeviceAllocation:
         handle = IpcHandle()
         with torch.cuda.device(self.device):
             _check(runtime().cudaIpcGetMemHandle(ctypes.byref(handle), ctypes.c_void_p(self.pointer)), "export")
-        return bytes(handle.reserved)
+        return bytes(handle)  # the raw 64 bytes (``.reserved`` would stop at the first NUL)
 
     def tensor(self, dtype: torch.dtype, elements: int) -> torch.Tensor:
         """A torch view of the allocation (it holds this object, so the memory outlives every view)."""
@@ -117,7 +117,9 @@ class PeerMapping:
             raise ValueError(f"IPC handle: expected {HANDLE_BYTES} bytes, got {len(handle)}")
         pointer = ctypes.c_void_p()
         with torch.cuda.device(device):
-            status = runtime().cudaIpcOpenMemHandle(ctypes.byref(pointer), IpcHandle(handle), _LAZY_PEER_ACCESS)
+            status = runtime().cudaIpcOpenMemHandle(
+                ctypes.byref(pointer), IpcHandle.from_buffer_copy(handle), _LAZY_PEER_ACCESS
+            )
         _check(status, f"mapping a peer's mailbox on {device}")
         self.pointer = int(pointer.value or 0)
         self.device = device
