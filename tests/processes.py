@@ -32,7 +32,9 @@ class Outcome:
         return self.message.splitlines()[0] if self.message else ""
 
 
-def _rank_main(target: Callable[..., Any], rank: int, world: int, store: str, args: tuple[Any, ...], results: Any) -> None:
+def _rank_main(
+    target: Callable[..., Any], rank: int, world: int, store: str, args: tuple[Any, ...], results: Any
+) -> None:
     os.environ.update(NO_MULTICAST)
     import torch.distributed as dist
 
@@ -56,7 +58,8 @@ def run_ranks_as_processes(
     with tempfile.TemporaryDirectory(prefix="mhc-ranks-") as folder:
         store = os.path.join(folder, "store")
         processes = [
-            context.Process(target=_rank_main, args=(target, rank, world, store, args, results)) for rank in range(world)
+            context.Process(target=_rank_main, args=(target, rank, world, store, args, results))
+            for rank in range(world)
         ]
         for process in processes:
             process.start()
