@@ -1,4 +1,4 @@
-"""The model packages refuse an mhc-core outside their pin (both ``~=0.5.2``) at import."""
+"""The model packages refuse an mhc-core outside their pin (both ``~=0.6.0``) at import."""
 
 from __future__ import annotations
 
@@ -46,16 +46,16 @@ def import_with_core(package: str, distribution: str, version: str, tmp_path: Pa
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
 
 
-PINS = [("mhc_dsv41", "mhc-dsv41", "~=0.5.2"), ("mhc_glm5", "mhc-glm5", "~=0.5.2")]
+PINS = [("mhc_dsv41", "mhc-dsv41", "~=0.6.0"), ("mhc_glm5", "mhc-glm5", "~=0.6.0")]
 
 
 @pytest.mark.parametrize(("package", "distribution", "pin"), PINS)
 def test_import_refuses_a_newer_core(package: str, distribution: str, pin: str, tmp_path: Path) -> None:
-    result = import_with_core(package, distribution, "0.6.0", tmp_path)
+    result = import_with_core(package, distribution, "0.7.0", tmp_path)
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: "), result.stderr
-    assert f"{package} needs mhc-core {pin}, but mhc-core 0.6.0 is installed" in last
+    assert f"{package} needs mhc-core {pin}, but mhc-core 0.7.0 is installed" in last
 
 
 @pytest.mark.parametrize(("package", "distribution", "pin"), PINS)
@@ -71,8 +71,8 @@ def test_import_refuses_the_core_without_error_word(package: str, distribution: 
     kernels no TVM-FFI convention or shared direct read (0.4.0); 0.4.x no native call path or
     kernels named by spec (0.5.0)."""
     pin = dict((name, pin) for name, _, pin in PINS)[package]
-    # Both also refuse 0.5.0 and 0.5.1: the fork point (0.5.1) and the SM constants (0.5.2).
-    for old in ("0.2.2", "0.3.5", "0.4.0", "0.5.0", "0.5.1"):
+    # Both also refuse 0.5.x: the startup votes and mailbox_allocation (0.6.0).
+    for old in ("0.2.2", "0.3.5", "0.4.0", "0.5.0", "0.5.1", "0.5.2"):
         result = import_with_core(package, distribution, old, tmp_path)
         assert result.returncode != 0
         assert f"{package} needs mhc-core {pin}, but mhc-core {old} is installed" in result.stderr
@@ -80,6 +80,6 @@ def test_import_refuses_the_core_without_error_word(package: str, distribution: 
 
 @pytest.mark.parametrize(("package", "distribution"), [("mhc_dsv41", "mhc-dsv41"), ("mhc_glm5", "mhc-glm5")])
 def test_import_accepts_a_patch_release(package: str, distribution: str, tmp_path: Path) -> None:
-    result = import_with_core(package, distribution, "0.5.5", tmp_path)
+    result = import_with_core(package, distribution, "0.6.5", tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "imported"

@@ -27,8 +27,8 @@ PACKAGES = {
     # distribution: (import name, pins its METADATA must declare)
     # numpy: mhc_core.host.spin uses Tensor.numpy(); apache-tvm-ffi: the launch convention.
     "mhc-core": ("mhc_core", {DSL_LIBS, TORCH, "numpy", "apache-tvm-ffi<0.2,>=0.1.15"}),
-    "mhc-dsv41": ("mhc_dsv41", {"mhc-core~=0.5.2", TORCH}),  # 0.5.2: the SM constants in mhc_core.presets
-    "mhc-glm5": ("mhc_glm5", {"mhc-core~=0.5.2", TORCH}),
+    "mhc-dsv41": ("mhc_dsv41", {"mhc-core~=0.6.0", TORCH}),  # 0.6.0: the startup votes, mailbox_allocation
+    "mhc-glm5": ("mhc_glm5", {"mhc-core~=0.6.0", TORCH}),
 }
 #: Every package's extras: the DSL's CUDA 12 / CUDA 13 libraries, and the compiler ([jit]).
 EXTRAS = {
@@ -37,7 +37,7 @@ EXTRAS = {
     "jit": {'nvidia-cutlass-dsl==4.8.1; extra == "jit"'},
 }
 #: Each package's own version (its __init__); bumped when its kernels or API change.
-VERSIONS = {"mhc-core": "0.5.2", "mhc-dsv41": "0.5.1", "mhc-glm5": "0.9.1"}
+VERSIONS = {"mhc-core": "0.6.0", "mhc-dsv41": "0.5.2", "mhc-glm5": "0.9.2"}
 #: mhc-core ships its host library (libmhc_host.so, built from executor.cc): always platform-tagged.
 NATIVE = ("mhc_core/host/native/libmhc_host.so",)
 LICENSE = ROOT / "LICENSE"

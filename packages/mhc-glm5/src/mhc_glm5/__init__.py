@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from mhc_core.compat import check_core_version, model_attribute
 
-__version__ = "0.9.1"
+__version__ = "0.9.2"
 #: The mhc-core releases this package works with (compatible-release pin).
-CORE_REQUIREMENT = "~=0.5.2"
+CORE_REQUIREMENT = "~=0.6.0"
 
 check_core_version(CORE_REQUIREMENT, __name__)
 
