@@ -35,6 +35,10 @@ exact) and is in ``[224, 448]`` under a UE8M0 scale; nothing saturates otherwise
 produced from finite input. Non-finite input is refused (the kernels' ``fmaxf`` and torch's
 ``amax`` treat NaN differently; a layer input is finite).
 
+Checked on an H200 (docs/fp8-layouts.md): a CUDA kernel doing steps 1-4 with ``fmaxf``, ``/``,
+``log2f``/``ceilf``/``exp2f`` and ``cvt.rn.satfinite.e4m3x2.f32`` matches :func:`quantize` bit for bit
+in all three formats, and :func:`quantize` on CUDA tensors matches it on the CPU.
+
 Dequantisation (:func:`dequantize`): ``x_hat = fp32(q) * scale``, one FP32 product. Error bound
 (derived in the tests): ``|x_hat - x| <= 2^-4 |x| + 2^-10 scale`` (E4M3 has 3 mantissa bits, so
 RNE is within ``2^-4`` relatively on normals, ``|y| >= 2^-6``, and within half its subnormal step,
@@ -255,8 +259,12 @@ def group_absmax(x: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def fp32_scales(absmax: torch.Tensor) -> torch.Tensor:
-    """``absmax / 448``: one FP32 IEEE division (never a reciprocal multiply)."""
-    return absmax / torch.tensor(E4M3_MAX, dtype=torch.float32)
+    """``absmax / 448``: one FP32 IEEE division (never a reciprocal multiply).
+
+    The divisor is a full tensor: on CUDA, torch divides by a scalar (a Python number or a CPU
+    0-dim tensor) as a multiply by its reciprocal, which rounds differently.
+    """
+    return absmax / torch.full_like(absmax, E4M3_MAX)
 
 
 def ue8m0_exponents(scales: torch.Tensor) -> torch.Tensor:
