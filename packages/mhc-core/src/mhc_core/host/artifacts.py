@@ -7,18 +7,32 @@ project module the kernel's module imports, transitively (read as text: nothing 
 Its **symbol**, ``mhc_<hash of the key>``, names it in the shared library it is exported to.
 
 A kernel compiled on this host (a configuration no wheel ships) is exported the same way into the
-on-disk cache, one library per key (``<cache>/kernels/<arch>/<symbol>.so`` with its key and
-signature beside it), and the next process loads it. The cache is ``MHC_CACHE_DIR``, else
-``$XDG_CACHE_HOME/mhc`` or ``~/.cache/mhc`` (``mhc_core.host.native.cache_root``); exporting
-needs a C compiler (``cc``) to link: without one nothing is persisted.
+on-disk cache, one library per key (``<cache>/kernels/<arch>/<symbol>.so``, with a sidecar
+``<symbol>.json`` holding its key, signature, size and sha256), and the next process loads it. The
+cache is ``MHC_CACHE_DIR``, else ``$XDG_CACHE_HOME/mhc`` or ``~/.cache/mhc``
+(``mhc_core.host.native.cache_root``); exporting needs a C compiler (``cc``) to link: without one
+nothing is persisted.
+
+The cache is one that eight ranks and a shared machine can trust (``mhc_core.host.cache_files``):
+its folders are created 0700 and used only while this user owns them and nobody else can write
+them, its files likewise and never through a symbolic link; every file is written under a unique
+temporary name and renamed into place; a library's size and sha256 are compared with its sidecar
+before ``dlopen`` maps it; a lock per kernel (``<symbol>.lock``) lets the ranks that miss a kernel
+compile it once (``compiler.compile_kernel``): the others wait, then load it. A corrupt, truncated
+or foreign sidecar or library is skipped with one warning naming it, then compiled again and
+rewritten (without the compiler: an error naming it); an unsafe cache is not used (one warning
+says why): kernels are then compiled in the process and not persisted.
 
 ``tools.export_kernels`` writes, per model package and arch, ``<package>/kernels/<arch>/`` with
 one ``lib<package>_<arch>.so`` (every preset kernel of that arch, TVM-FFI entry points only) and a
 ``manifest.json`` listing each kernel's key, symbol and signature (what the host binds its
-arguments by: ``mhc_core.device.signature.to_json``), and per kernel module the modules its source
-hash covers (``sources``: a process whose sources match them hashes texts, parses none).
-``lookup`` finds a key in the manifests of the installed model packages; ``load`` opens the library
-through ``tvm_ffi`` alone. Loading needs the DSL's runtime library (``libcute_dsl_runtime.so``, in
+arguments by: ``mhc_core.device.signature.to_json``), the library's size and sha256 (checked once
+per process before it is loaded; a manifest from before they were recorded is trusted as
+installed), and per kernel module the modules its source hash covers (``sources``: a process whose
+sources match them hashes texts, parses none). ``lookup`` finds a key in the manifests of the
+installed model packages; a manifest that does not parse or validate is skipped with one warning
+naming it, and the other packages' manifests still count. ``load`` opens the library through
+``tvm_ffi`` alone. Loading needs the DSL's runtime library (``libcute_dsl_runtime.so``, in
 the DSL's libs package), which ``load`` maps first, and never the compiler. A different DSL
 release, arch, convention or source is a different key: a stale or foreign library is never loaded.
 
@@ -30,6 +44,7 @@ runtime-only host has), else ``"unknown"`` (then nothing shipped matches).
 from __future__ import annotations
 
 import ast
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -46,13 +61,15 @@ from typing import Any
 
 from ..device.kernel import KernelSpec
 from ..device.signature import Signature, from_json, to_json
+from . import cache_files
 
 #: The packages whose modules enter a kernel's source hash.
 PROJECT_PACKAGES = ("mhc_core", "mhc_dsv41", "mhc_glm5")
 #: The model packages whose ``kernels/`` folders are searched.
 MODEL_PACKAGES = ("mhc_dsv41", "mhc_glm5")
 MANIFEST = "manifest.json"
-#: 2: every kernel's entry carries its signature (1: keys only).
+#: 2: every kernel's entry carries its signature (1: keys only); the library's ``size`` and
+#: ``sha256`` are optional fields of format 2 (an older mhc-core ignores them, a newer one checks them).
 FORMAT = 2
 #: Set to 0 to ignore shipped and cached kernels (every kernel is then compiled, nothing persisted).
 PREBUILT_ENV = "MHC_PREBUILT"
@@ -193,7 +210,10 @@ def _texts(modules: Iterable[str]) -> dict[str, bytes] | None:
         path = _module_file(name)
         if path is None:
             return None
-        texts[name] = path.read_bytes()
+        try:
+            texts[name] = path.read_bytes()
+        except OSError:
+            return None
     return texts
 
 
@@ -223,16 +243,45 @@ def kernel_key(kernel: Any, arch: str, convention: str) -> KernelKey:
 
 @dataclass(frozen=True)
 class Found:
-    """A kernel's library (shipped or cached) and its signature."""
+    """A kernel's library (shipped or cached), its signature, and the library's size and sha256 as
+    recorded when it was written (None: a manifest from before they were recorded)."""
 
     library: Path
     signature: Signature
+    size: int | None = None
+    sha256: str | None = None
+
+
+class _Invalid(ValueError):
+    """A manifest or sidecar that parses but is not what this mhc-core writes."""
+
+
+#: symbol -> the file skipped for it and why: named by the error of a host that cannot compile.
+_SKIPPED: dict[str, str] = {}
+
+
+def _skip(key: KernelKey, what: str, path: Path, reason: str) -> None:
+    """One warning naming ``path`` and why it is not used; the kernel is then compiled."""
+    cache_files.warn_once(what, path, reason)
+    _SKIPPED[key.symbol] = f"{path} ({reason})"
+
+
+def skipped(key: KernelKey) -> str | None:
+    """The file this process skipped for ``key`` and why, if any."""
+    return _SKIPPED.get(key.symbol)
+
+
+def enabled() -> bool:
+    """Shipped and cached kernels are used (``MHC_PREBUILT`` is not 0)."""
+    return os.environ.get(PREBUILT_ENV, "1") != "0"
 
 
 # ------------------------------------------------------------------ manifests
 def write_manifest(
     folder: Path, package: str, arch: str, library: str, kernels: Iterable[tuple[KernelKey, Signature]]
 ) -> Path:
+    """``folder/manifest.json`` for ``library`` (in ``folder``, linked already: its size and sha256
+    are recorded and checked before it is loaded)."""
     entries = sorted(
         (key.as_dict() | {"symbol": key.symbol, "signature": to_json(signature)} for key, signature in kernels),
         key=lambda entry: entry["symbol"],
@@ -242,8 +291,10 @@ def write_manifest(
     for module in modules:
         texts = hashed_sources(module)
         sources[module] = {"digest": _digest(texts), "modules": sorted(texts)}
+    size, sha256 = cache_files.file_digest(folder / library)
     payload = {
-        "format": FORMAT, "package": package, "arch": arch, "library": library, "kernels": entries, "sources": sources
+        "format": FORMAT, "package": package, "arch": arch, "library": library, "size": size, "sha256": sha256,
+        "kernels": entries, "sources": sources,
     }  # fmt: skip
     path = folder / MANIFEST
     path.write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n")
@@ -262,22 +313,89 @@ def manifests() -> list[Path]:
     return found
 
 
+def _check_manifest(payload: Any) -> None:
+    """Raise ValueError unless ``payload`` (of this format) has what ``_entries`` and
+    ``_recorded_sources`` read, each entry's symbol naming its key."""
+    if not isinstance(payload.get("library"), str) or Path(payload["library"]).name != payload["library"]:
+        raise _Invalid("its library is not a file name")
+    size, sha256 = payload.get("size"), payload.get("sha256")
+    if (size is None) != (sha256 is None) or (size is not None and not _is_digest(size, sha256)):
+        raise _Invalid("its library's size and sha256 are malformed")
+    if not isinstance(payload.get("kernels"), list):
+        raise _Invalid("it has no list of kernels")
+    for entry in payload["kernels"]:
+        key = KernelKey(**{name: entry[name] for name in KernelKey.__dataclass_fields__})
+        if entry["symbol"] != key.symbol:
+            raise _Invalid(f"the entry {entry['symbol']!r} does not name its key")
+        from_json(entry["signature"])
+    sources = payload.get("sources", {})
+    if not isinstance(sources, dict):
+        raise _Invalid("its sources are not a mapping")
+    for module, source in sources.items():
+        if not (_is_module(module) and isinstance(source["digest"], str) and all(map(_is_module, source["modules"]))):
+            raise _Invalid(f"its sources of {module!r} are malformed")
+
+
+def _is_digest(size: Any, sha256: Any) -> bool:
+    return isinstance(size, int) and size >= 0 and isinstance(sha256, str) and len(sha256) == 64
+
+
+def _is_module(name: Any) -> bool:
+    """A dotted name in a project package (what a manifest's ``sources`` may name)."""
+    return (
+        isinstance(name, str)
+        and name.split(".")[0] in PROJECT_PACKAGES
+        and all(part.isidentifier() for part in name.split("."))
+    )
+
+
+def _read_payload(path: Path) -> dict[str, Any] | None:
+    """``path``'s payload if it is a manifest of this format (another format: None, as before);
+    a corrupt, truncated or foreign one: None, with one warning naming it."""
+    try:
+        payload = json.loads(path.read_bytes())
+        if not isinstance(payload, dict) or "format" not in payload:
+            raise _Invalid("it is not a manifest")
+        if payload["format"] != FORMAT:
+            return None
+        _check_manifest(payload)
+    except FileNotFoundError:
+        return None
+    except Exception as error:  # JSON, a missing field, a wrong type: skip this package's manifest alone
+        cache_files.warn_once("the manifest", path, _reason(error))
+        return None
+    return payload
+
+
+def _reason(error: Exception) -> str:
+    """Why a manifest or sidecar is skipped, for its warning."""
+    if isinstance(error, _Invalid):
+        return str(error)
+    if isinstance(error, OSError):
+        return f"it cannot be read ({error.strerror or error})"
+    return f"it is corrupt or truncated ({type(error).__name__}: {error})"
+
+
 @functools.cache
 def _payloads() -> tuple[tuple[Path, dict[str, Any]], ...]:
-    """Every manifest of this format, read once per process."""
-    read = ((path, json.loads(path.read_text())) for path in manifests())
-    return tuple((path, payload) for path, payload in read if payload.get("format") == FORMAT)
+    """Every valid manifest of this format, read once per process (a broken one is skipped with a
+    warning: another package's still count)."""
+    read = ((path, _read_payload(path)) for path in manifests())
+    return tuple((path, payload) for path, payload in read if payload is not None)
 
 
 def read_manifest(path: Path) -> dict[str, Found]:
-    """symbol -> library and signature of one manifest ({} for another format)."""
-    payload = json.loads(path.read_text())
-    return _entries(path, payload) if payload.get("format") == FORMAT else {}
+    """symbol -> library and signature of one manifest ({} for another format or a broken one)."""
+    payload = _read_payload(path)
+    return _entries(path, payload) if payload is not None else {}
 
 
 def _entries(path: Path, payload: dict[str, Any]) -> dict[str, Found]:
     library = path.parent / payload["library"]
-    return {entry["symbol"]: Found(library, from_json(entry["signature"])) for entry in payload["kernels"]}
+    size, sha256 = payload.get("size"), payload.get("sha256")
+    return {
+        entry["symbol"]: Found(library, from_json(entry["signature"]), size, sha256) for entry in payload["kernels"]
+    }
 
 
 @functools.cache
@@ -301,35 +419,131 @@ def _recorded_sources() -> dict[str, list[tuple[tuple[str, ...], str]]]:
     return recorded
 
 
+@functools.cache
+def _shipped_problem(library: Path, size: int | None, sha256: str | None) -> str | None:
+    """Why an installed library is not the one its manifest recorded (checked once per process)."""
+    if size is None or sha256 is None:
+        return None  # a manifest from before sizes were recorded: trusted as installed
+    return cache_files.library_problem(library, size, sha256, owned=False)
+
+
 def lookup(key: KernelKey) -> Found | None:
     """The library that exports ``key``'s kernel (and its signature), or None (then it is compiled)."""
-    if os.environ.get(PREBUILT_ENV, "1") == "0":
+    if not enabled():
         return None
-    return _index().get(key.symbol)
+    found = _index().get(key.symbol)
+    if found is None:
+        return None
+    problem = _shipped_problem(found.library, found.size, found.sha256)
+    if problem is not None:
+        _skip(key, "the shipped kernels", found.library, problem)
+        return None
+    return found
+
+
+# ------------------------------------------------------------------ the on-disk cache
+#: A cache entry's sidecar (``<symbol>.json``). 3: records the library's size and sha256.
+CACHE_FORMAT = 3
+_CACHE_NAME = "the kernel cache"
 
 
 def cache_dir() -> Path | None:
     """The on-disk kernel cache, or None: off (``MHC_PREBUILT=0``)."""
-    if os.environ.get(PREBUILT_ENV, "1") == "0":
+    if not enabled():
         return None
     from .native import cache_root
 
     return cache_root() / "kernels"
 
 
+def _folder(arch: str, *, create: bool) -> Path | None:
+    """``<cache>/kernels/<arch>`` once every folder down to it is this user's alone (made 0700 where
+    ``create``), else None: off, missing (not ``create``), or not safe to use (one warning says why)."""
+    root = cache_dir()
+    if root is None:
+        return None
+    try:
+        return cache_files.private_folder(root.parent, root.name, arch, create=create)
+    except FileNotFoundError:
+        return None
+    except cache_files.UnsafeCache as error:
+        cache_files.warn_once(_CACHE_NAME, error.path, error.reason)
+    except OSError as error:
+        cache_files.warn_once(_CACHE_NAME, root, error.strerror or str(error))
+    return None
+
+
+class _Stale(Exception):
+    """A sidecar of another format: an older mhc-core's, rewritten without a warning."""
+
+
 def cached(key: KernelKey) -> Found | None:
-    """The on-disk cache's library for ``key``, if a process on this host compiled it before."""
-    folder = cache_dir()
+    """The on-disk cache's library for ``key``, if a process on this host compiled it before and
+    it is still what that process wrote. Anything else (a corrupt, truncated or foreign sidecar or
+    library, a file someone else owns or can write, a link): one warning, None (then it is compiled
+    and the entry rewritten)."""
+    folder = _folder(key.arch, create=False)
     if folder is None:
         return None
-    path = folder / key.arch / f"{key.symbol}.so"
-    sidecar = path.with_suffix(".json")
-    if not (path.exists() and sidecar.exists()):
+    library = folder / f"{key.symbol}.so"
+    sidecar = library.with_suffix(".json")
+    try:
+        found = _sidecar_entry(key, library, json.loads(cache_files.read_owned(sidecar)))
+    except FileNotFoundError:
         return None
-    entry = json.loads(sidecar.read_text())
-    if entry.get("format") != FORMAT or entry.get("symbol") != key.symbol:
+    except cache_files.UnsafeCache as error:
+        _skip(key, _CACHE_NAME, sidecar, error.reason)
         return None
-    return Found(path, from_json(entry["signature"]))
+    except _Stale as stale:
+        LOG.info("recompiling %s: %s was written by another mhc-core (%s)", key.kernel, sidecar, stale)
+        return None
+    except Exception as error:  # JSON, a missing field, a wrong type
+        _skip(key, _CACHE_NAME, sidecar, _reason(error))
+        return None
+    assert found.size is not None and found.sha256 is not None
+    problem = cache_files.library_problem(library, found.size, found.sha256)
+    if problem is not None:
+        _skip(key, _CACHE_NAME, library, problem)
+        return None
+    return found
+
+
+def _sidecar_entry(key: KernelKey, library: Path, entry: Any) -> Found:
+    """The ``Found`` a sidecar describes, once it is one of this format for ``key``."""
+    if not isinstance(entry, dict):
+        raise _Invalid("it is not a cache entry")
+    if isinstance(entry.get("format"), int) and entry["format"] != CACHE_FORMAT:
+        raise _Stale(f"format {entry['format']}")
+    if entry.get("format") != CACHE_FORMAT or entry.get("symbol") != key.symbol:
+        raise _Invalid(f"it is not the cache entry of {key.symbol} (format {CACHE_FORMAT})")
+    if any(entry.get(name) != value for name, value in key.as_dict().items()):
+        raise _Invalid(f"it records another key than {key.symbol}'s")
+    if not _is_digest(entry.get("size"), entry.get("sha256")):
+        raise _Invalid("it records no size and sha256 of its library")
+    return Found(library, from_json(entry["signature"]), entry["size"], entry["sha256"])
+
+
+@contextlib.contextmanager
+def cache_lock(key: KernelKey) -> Iterator[bool]:
+    """Hold ``key``'s lock in the cache (``<symbol>.lock``): the processes of one host that miss a
+    kernel compile it one at a time, and each after the first finds it persisted. Yields whether
+    it is held: False where nothing can be persisted (the cache is off or unsafe, no ``cc``), and
+    then every process compiles for itself, as without a cache."""
+    import shutil
+
+    folder = _folder(key.arch, create=True) if shutil.which("cc") else None
+    with contextlib.ExitStack() as stack:
+        held = False
+        if folder is not None:
+            lock = folder / f"{key.symbol}.lock"
+            try:
+                stack.enter_context(cache_files.exclusive(lock))
+                held = True
+            except cache_files.UnsafeCache as error:
+                cache_files.warn_once(_CACHE_NAME, error.path, error.reason)
+            except OSError as error:
+                cache_files.warn_once(_CACHE_NAME, lock, error.strerror or str(error))
+        yield held
 
 
 @functools.cache
@@ -364,29 +578,33 @@ def load_runtime_globally() -> None:
 
 
 def persist(key: KernelKey, compiled: Any, signature: Signature) -> Path | None:
-    """Export a kernel compiled here into the on-disk cache; the library's path, or None where it
-    cannot be (no ``cc``, a read-only cache, ``MHC_PREBUILT=0``)."""
+    """Export a kernel compiled here into the on-disk cache (its caller holds ``cache_lock``): the
+    library through a private scratch folder, renamed into place, then its sidecar with its key,
+    signature, size and sha256 (last: a library without one is never loaded). Its path, or None
+    where it cannot be (no ``cc``, an unsafe or read-only cache, ``MHC_PREBUILT=0``)."""
     import shutil
     import tempfile
 
-    root = cache_dir()
-    if root is None or shutil.which("cc") is None:
+    folder = _folder(key.arch, create=True)
+    if folder is None or shutil.which("cc") is None:
         return None
-    folder = root / key.arch
+    target = folder / f"{key.symbol}.so"
     try:
         load_runtime_globally()
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix="mhc-cache-", dir=folder) as scratch:
+        with tempfile.TemporaryDirectory(prefix="mhc-cache-", dir=folder) as scratch:  # a unique name, 0700
             obj = str(Path(scratch, f"{key.symbol}.o"))
             compiled.export_to_c(obj, function_name=key.symbol, export_only_tvm_ffi_symbols=True)
             partial = Path(scratch, f"{key.symbol}.so")
             link([obj], partial)
-            target = folder / f"{key.symbol}.so"
+            os.chmod(partial, 0o700)  # under a umask of 002 it would be group-writable: never loaded
+            size, sha256 = cache_files.file_digest(partial)
             os.replace(partial, target)  # atomic: a concurrent process sees all of it or nothing
-        entry = key.as_dict() | {"format": FORMAT, "symbol": key.symbol, "signature": to_json(signature)}
-        sidecar = Path(str(target.with_suffix(".json")) + ".partial")
-        sidecar.write_text(json.dumps(entry, indent=1, sort_keys=True) + "\n")
-        os.replace(sidecar, target.with_suffix(".json"))  # last: a library without it is never loaded
+        entry = key.as_dict() | {
+            "format": CACHE_FORMAT, "symbol": key.symbol, "signature": to_json(signature), "size": size,
+            "sha256": sha256,
+        }  # fmt: skip
+        text = json.dumps(entry, indent=1, sort_keys=True) + "\n"
+        cache_files.write_atomic(target.with_suffix(".json"), text.encode())
         return target
     except Exception as error:  # the DSL's export errors share no base class; caching is optional
         LOG.warning("could not cache %s in %s: %s", key.kernel, folder, error)

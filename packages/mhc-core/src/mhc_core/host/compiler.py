@@ -150,7 +150,8 @@ def compile_kernel(
     installed model package's exported kernels or the on-disk cache when its full key is there
     (``mhc_core.host.artifacts``; ``prebuilt=False`` or ``MHC_PREBUILT=0`` always compiles), else
     compiled (cached per process). ``persist=True`` (what the ops pass) exports a kernel compiled
-    here into the on-disk cache for the next process.
+    here into the on-disk cache for the next process, holding the kernel's lock there: the ranks
+    of a host that miss it compile it once, the others wait, then load it.
 
     ``inspect=True`` also keeps the PTX and ptxas's register/spill report (always compiled); the
     key includes it, the arch and the DSL release, so a plain build is never served an inspected
@@ -165,16 +166,33 @@ def compile_kernel(
     cached = _CACHE.get(key)
     if cached is not None:
         return cached
-    if prebuilt and not inspect:
-        shipped = _load_shipped(spec, arch)
-        if shipped is not None:
-            _CACHE[key] = shipped
-            return shipped
-    compiled = _compile(kernel if isinstance(kernel, DeviceKernel) else None, spec, arch, inspect)
-    if prebuilt and persist and not inspect:
-        artifacts.persist(artifacts.kernel_key(spec, arch, CALLING_CONVENTION), compiled.compiled, compiled.signature)
+    instance = kernel if isinstance(kernel, DeviceKernel) else None
+    compiled = None
+    if prebuilt and not inspect and artifacts.enabled():
+        compiled = _load_shipped(spec, arch)
+        if compiled is None and persist:
+            compiled = _compile_once(instance, spec, arch)
+    if compiled is None:
+        compiled = _compile(instance, spec, arch, inspect)
     _CACHE[key] = compiled
-    LOG.info("compiled %s for %s in %.2f s", spec, arch, compiled.report.seconds)
+    if compiled.kernel is not None:  # compiled here, not loaded
+        LOG.info("compiled %s for %s in %.2f s", spec, arch, compiled.report.seconds)
+    return compiled
+
+
+def _compile_once(kernel: DeviceKernel | None, spec: KernelSpec, arch: str) -> CompiledKernel:
+    """Compile and persist holding the kernel's cache lock: the ranks of a host that all miss it
+    compile it once; each other waits for the lock, then loads what the first persisted."""
+    from . import artifacts
+
+    full_key = artifacts.kernel_key(spec, arch, CALLING_CONVENTION)
+    with artifacts.cache_lock(full_key) as held:
+        loaded = _load_shipped(spec, arch) if held else None  # persisted while this process waited
+        if loaded is not None:
+            return loaded
+        compiled = _compile(kernel, spec, arch, False)
+        if held:
+            artifacts.persist(full_key, compiled.compiled, compiled.signature)
     return compiled
 
 
@@ -188,6 +206,7 @@ def _compile(kernel: DeviceKernel | None, spec: KernelSpec, arch: str, inspect: 
         raise RuntimeError(
             f"{spec} for {arch}: no installed package ships this kernel and compiling it needs the DSL "
             "compiler, which is not importable: pip install 'mhc-core[jit]' (or use a preset's configuration)"
+            + _skipped_note(spec, arch)
         ) from error
     if kernel is None:
         kernel = spec.instantiate()
@@ -208,6 +227,16 @@ def _compile(kernel: DeviceKernel | None, spec: KernelSpec, arch: str, inspect: 
             function = cute.compile(kernel, *fakes, options=f"{options} --keep-ptx --dump-dir {dump} remarks{{ptx}}")
         report = parse_ptxas_report(captured.getvalue(), time.perf_counter() - start)
         return CompiledKernel(spec, arch, signature, function, kernel, ptx=function.__ptx__, report=report)
+
+
+def _skipped_note(spec: KernelSpec, arch: str) -> str:
+    """Names the shipped or cached file this process skipped for the kernel, if one was."""
+    from . import artifacts
+
+    if not artifacts.enabled():
+        return ""
+    skipped = artifacts.skipped(artifacts.kernel_key(spec, arch, CALLING_CONVENTION))
+    return f"; the file that had it was skipped: {skipped}" if skipped else ""
 
 
 def _load_shipped(spec: KernelSpec, arch: str) -> CompiledKernel | None:

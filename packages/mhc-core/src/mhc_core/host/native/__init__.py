@@ -4,18 +4,27 @@
 
 1. ``libmhc_host.so`` beside ``executor.cc`` (what a wheel ships and ``python3 -m
    mhc_core.host.native`` builds in a checkout), if it was built from this ``executor.cc``;
-2. ``<cache>/native/libmhc_host-<digest>.so`` (``MHC_CACHE_DIR``, else the user's cache folder);
+2. ``<cache>/native/libmhc_host-<digest>.so`` (``MHC_CACHE_DIR``, else the user's cache folder),
+   if its sidecar (``.json``) records its size and sha256 and the file still has them;
 3. else it builds (2) with the C++ compiler (``c++``, ``CXX`` overrides) and apache-tvm-ffi's
-   headers: a few seconds, once per host and source.
+   headers: a few seconds, once per host and source (a lock file beside it: concurrent ranks
+   build it once, the others wait, then load it).
 
 The digest is a sha256 of the source and the build flags; the library reports the digest it
-was built from (``source_digest``), so a stale library is never loaded.
+was built from (``source_digest``), so a stale library is never loaded. The cache follows
+``mhc_core.host.cache_files``: private folders, files this user alone owns and can write, no
+symbolic link followed, and the size and sha256 checked before the library is loaded (``dlopen``
+runs its code). A cache that fails a check is not used (one warning says why): the library is then
+built into a private temporary folder and loaded from there. The library beside ``executor.cc`` is
+trusted as installed (it is in the install folder); it must still report this source's digest.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -23,14 +32,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from .. import cache_files
 
 LOG = logging.getLogger("mhc")
 SOURCE = Path(__file__).with_name("executor.cc")
 PACKAGED = Path(__file__).with_name("libmhc_host.so")
 FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-s")
 CACHE_ENV = "MHC_CACHE_DIR"
+_CACHE_NAME = "the host library cache"
 
 
 def digest() -> str:
@@ -76,6 +89,7 @@ def build(target: Path) -> Path:
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode:
             raise RuntimeError(f"mhc: building the host library failed:\n{' '.join(command)}\n{result.stderr}")
+        os.chmod(partial, 0o755)  # never group-writable, whatever the umask (the cache would refuse it)
         os.replace(partial, target)
     LOG.info("built the host library %s in %.1f s", target, time.perf_counter() - start)
     return target
@@ -102,16 +116,78 @@ def _load(path: Path) -> Any | None:
 @functools.cache
 def library() -> Any:
     """The loaded host library (see the module docstring)."""
-    source_digest = digest()
-    for candidate in (PACKAGED, cached_path(source_digest)):
-        if candidate.exists():
-            module = _load(candidate)
-            if module is not None:
-                return module
-    module = _load(build(cached_path(source_digest)))
+    if PACKAGED.exists():
+        module = _load(PACKAGED)
+        if module is not None:
+            return module
+    target = cached_path(digest())
+    with contextlib.ExitStack() as stack:
+        if _lock_cache(stack, target):
+            module = _load_cached(target)
+            if module is None:
+                module = _load(_build_cached(target))
+        else:
+            module = _load(stack.enter_context(_private_build()))
     if module is None:
         raise RuntimeError("mhc: the host library just built reports another source digest")
     return module
+
+
+def _lock_cache(stack: contextlib.ExitStack, target: Path) -> bool:
+    """Take ``target``'s lock (``<target>.lock``) in a safe cache folder; False: the cache is not
+    used (one warning says why)."""
+    root = cache_root()
+    lock = target.with_suffix(".lock")
+    try:
+        cache_files.private_folder(root, target.parent.name, create=True)
+        stack.enter_context(cache_files.exclusive(lock))
+        return True
+    except cache_files.UnsafeCache as error:
+        cache_files.warn_once(_CACHE_NAME, error.path, error.reason)
+    except OSError as error:
+        cache_files.warn_once(_CACHE_NAME, error.filename or root, error.strerror or str(error))
+    return False
+
+
+def _load_cached(target: Path) -> Any | None:
+    """The cached library at ``target`` if its sidecar records this source's digest, its size and
+    its sha256 and the file (this user's alone) still has them; checked before it is loaded."""
+    sidecar = target.with_suffix(".json")
+    try:
+        entry = json.loads(cache_files.read_owned(sidecar))
+        recorded = (entry["source_digest"], entry["size"], entry["sha256"])
+    except FileNotFoundError:
+        return None
+    except cache_files.UnsafeCache as error:
+        cache_files.warn_once(_CACHE_NAME, sidecar, error.reason)
+        return None
+    except Exception as error:  # JSON, a missing field, a wrong type: rebuilt and rewritten
+        cache_files.warn_once(_CACHE_NAME, sidecar, f"it is corrupt or truncated ({type(error).__name__}: {error})")
+        return None
+    if recorded[0] != digest():
+        return None  # another source's (the name holds 16 digits of the digest)
+    problem = cache_files.library_problem(target, recorded[1], recorded[2])
+    if problem is not None:
+        cache_files.warn_once(_CACHE_NAME, target, problem)
+        return None
+    return _load(target)
+
+
+def _build_cached(target: Path) -> Path:
+    """Build ``target`` (its lock held) and record its size and sha256 beside it."""
+    build(target)
+    size, sha256 = cache_files.file_digest(target)
+    entry = {"source_digest": digest(), "size": size, "sha256": sha256}
+    cache_files.write_atomic(target.with_suffix(".json"), (json.dumps(entry, indent=1) + "\n").encode())
+    return target
+
+
+@contextlib.contextmanager
+def _private_build() -> Iterator[Path]:
+    """The library built into a private temporary folder, removed afterwards (a loaded library
+    stays mapped): what a process does when the cache cannot be trusted."""
+    with tempfile.TemporaryDirectory(prefix="mhc-native-") as scratch:
+        yield build(Path(scratch, "libmhc_host.so"))
 
 
 def main(argv: list[str] | None = None) -> int:
