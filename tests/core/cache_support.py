@@ -153,6 +153,25 @@ def start_together(processes: list[subprocess.Popen], ready: Path, go: Path) -> 
     go.touch()
 
 
+def run_together(command: list[str], env: dict[str, str], ready: Path, go: Path, count: int = 8) -> list[str]:
+    """``count`` processes of ``command`` started at once (``start_together``); each must exit 0
+    without a warning. Their standard outputs."""
+    pipe = subprocess.PIPE
+    processes = [
+        subprocess.Popen(command, cwd=ROOT, env=env, stdout=pipe, stderr=pipe, text=True) for _ in range(count)
+    ]
+    try:
+        start_together(processes, ready, go)
+        outputs = [process.communicate(timeout=120) for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+    for process, (_, stderr) in zip(processes, outputs, strict=True):
+        assert process.returncode == 0, stderr[-3000:]
+        assert not warnings_of(stderr), warnings_of(stderr)
+    return [stdout for stdout, _ in outputs]
+
+
 def warnings_of(stderr: str) -> list[str]:
     return [line.removeprefix("WARNING ") for line in stderr.splitlines() if line.startswith("WARNING ")]
 

@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,12 +20,11 @@ import pytest
 from tests.core import cache_support
 from tests.core.cache_support import (
     OTHER_UID,
-    ROOT,
     BuildCalled,
     child_env,
     report,
     run_child,
-    start_together,
+    run_together,
     warnings_of,
 )
 
@@ -168,16 +166,5 @@ def test_eight_processes_build_the_host_library_once(tmp_path: Path, stub: Path)
     ready.mkdir()
     command = [sys.executable, "-m", "tests.core.cache_support", "host", "--fake-load", "--template", str(stub)]
     command += ["--ready", str(ready), "--go", str(go)]
-    env = child_env(cache, {cache_support.COMPILE_SECONDS_ENV: "0.3"})
-    pipe = subprocess.PIPE
-    ranks = [subprocess.Popen(command, cwd=ROOT, env=env, stdout=pipe, stderr=pipe, text=True) for _ in range(8)]
-    try:
-        start_together(ranks, ready, go)
-        outputs = [rank.communicate(timeout=120) for rank in ranks]
-    finally:
-        for rank in ranks:
-            rank.kill()
-    for rank, (_, stderr) in zip(ranks, outputs, strict=True):
-        assert rank.returncode == 0, stderr[-3000:]
-        assert not warnings_of(stderr), warnings_of(stderr)
-    assert sum(report(stdout)["builds"] for stdout, _ in outputs) == 1, outputs
+    outputs = run_together(command, child_env(cache, {cache_support.COMPILE_SECONDS_ENV: "0.3"}), ready, go)
+    assert sum(report(stdout)["builds"] for stdout in outputs) == 1, outputs

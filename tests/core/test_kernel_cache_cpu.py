@@ -19,7 +19,17 @@ from typing import Any
 import pytest
 
 from tests.core import cache_support
-from tests.core.cache_support import ARCH, OTHER_UID, ROOT, child_env, report, run_child, start_together, warnings_of
+from tests.core.cache_support import (
+    ARCH,
+    OTHER_UID,
+    ROOT,
+    child_env,
+    report,
+    run_child,
+    run_together,
+    start_together,
+    warnings_of,
+)
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="the cache links with a C compiler (cc)")
 
@@ -127,21 +137,8 @@ def test_eight_processes_compile_a_kernel_once(tmp_path: Path) -> None:
     cache, ready, go = tmp_path / "cache", tmp_path / "ready", tmp_path / "go"
     ready.mkdir()
     command = [sys.executable, "-m", "tests.core.cache_support", "build", "--ready", str(ready), "--go", str(go)]
-    env = child_env(cache, {cache_support.COMPILE_SECONDS_ENV: "0.3"})
-    ranks = [
-        subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for _ in range(8)
-    ]
-    try:
-        start_together(ranks, ready, go)
-        outputs = [rank.communicate(timeout=120) for rank in ranks]
-    finally:
-        for rank in ranks:
-            rank.kill()
-    for rank, (_, stderr) in zip(ranks, outputs, strict=True):
-        assert rank.returncode == 0, stderr[-3000:]
-        assert not warnings_of(stderr), warnings_of(stderr)
-    reports = [report(stdout) for stdout, _ in outputs]
+    outputs = run_together(command, child_env(cache, {cache_support.COMPILE_SECONDS_ENV: "0.3"}), ready, go)
+    reports = [report(stdout) for stdout in outputs]
     assert sum(result["compiles"] for result in reports) == 1, reports
     assert sorted(result["loaded"] for result in reports) == [False] + [True] * 7, reports
 
