@@ -28,6 +28,9 @@ GLM_KEYS = (
     "norm_eps, archs, publish_threads, mixes_threads, persistent_min_tokens, tuned, description"
 )
 
+#: The rule of a float the kernels compute with in FP32 (``mhc_core.presets.require_positive_float``).
+POSITIVE_FP32 = "must be a finite number > 0 in FP32's normal range [1.17549435e-38, 3.40282347e+38]"
+
 # (preset, changed keys, message after "presets.toml: [preset] ")
 CASES: dict[str, tuple[str, dict[str, Any], str]] = {
     # ------------------------------------------------------------------ DSV4.1
@@ -67,8 +70,8 @@ CASES: dict[str, tuple[str, dict[str, Any], str]] = {
         f"key 'archs': must be among {ARCHS}; got ('sm_103a', 'sm_80')",
     ),
     "dsv-archs-empty": (DSV, {"archs": []}, "key 'archs': must be a non-empty list of arch names; got ()"),
-    "dsv-eps-zero": (DSV, {"norm_eps": 0.0}, "key 'norm_eps': must be a finite number > 0; got 0.0"),
-    "dsv-eps-negative": (DSV, {"norm_eps": -1e-6}, "key 'norm_eps': must be a finite number > 0; got -1e-06"),
+    "dsv-eps-zero": (DSV, {"norm_eps": 0.0}, f"key 'norm_eps': {POSITIVE_FP32}; got 0.0"),
+    "dsv-eps-negative": (DSV, {"norm_eps": -1e-6}, f"key 'norm_eps': {POSITIVE_FP32}; got -1e-06"),
     "dsv-unknown-key": (
         DSV,
         {"rank_lane": 2},
@@ -147,13 +150,13 @@ CASES: dict[str, tuple[str, dict[str, Any], str]] = {
         {"archs": ["sm_90a", "sm_90a"]},
         "key 'archs': must not repeat an arch; got ('sm_90a', 'sm_90a')",
     ),
-    "glm-rms-eps-not-positive": (GLM, {"rms_eps": 0.0}, "key 'rms_eps': must be a finite number > 0; got 0.0"),
-    "glm-hc-eps-not-positive": (GLM, {"hc_eps": -1e-6}, "key 'hc_eps': must be a finite number > 0; got -1e-06"),
-    "glm-norm-eps-not-positive": (GLM, {"norm_eps": 0}, "key 'norm_eps': must be a finite number > 0; got 0"),
+    "glm-rms-eps-not-positive": (GLM, {"rms_eps": 0.0}, f"key 'rms_eps': {POSITIVE_FP32}; got 0.0"),
+    "glm-hc-eps-not-positive": (GLM, {"hc_eps": -1e-6}, f"key 'hc_eps': {POSITIVE_FP32}; got -1e-06"),
+    "glm-norm-eps-not-positive": (GLM, {"norm_eps": 0}, f"key 'norm_eps': {POSITIVE_FP32}; got 0"),
     "glm-post-mult-not-positive": (
         GLM,
         {"post_mult": -2.0},
-        "key 'post_mult': must be a finite number > 0; got -2.0",
+        f"key 'post_mult': {POSITIVE_FP32}; got -2.0",
     ),
     "glm-sinkhorn-repeat": (GLM, {"sinkhorn_repeat": 0}, "key 'sinkhorn_repeat': must be >= 1; got 0"),
     "glm-mixes-threads": (

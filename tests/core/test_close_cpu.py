@@ -30,6 +30,7 @@ def built_op(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(library.torch._dynamo, "mark_static_address", lambda tensor: None)
     instance = LamportAllReduce.__new__(LamportAllReduce)
     instance.device, instance.group, instance._closed = torch.device("cuda", 0), Group(), False
+    instance._init_call_state()  # the lock and the launch marker every call path uses
     instance.mailbox = type("Mailbox", (), {"stage_state": torch.zeros(4, dtype=torch.int32)})()
     instance._programs = object()
     instance.handle = library.register(instance)

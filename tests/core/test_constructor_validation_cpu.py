@@ -52,7 +52,7 @@ COMMON = [
     ("max_num_tokens", 0, ValueError, "max_num_tokens: expected >= 1"),
     ("max_num_tokens", 2**30, ValueError, "max_num_tokens: expected <= 1073741823"),
     ("transport", "bogus", ValueError, "transport: expected one of"),
-    ("spin_timeout_ms", -1.0, ValueError, "spin_timeout_ms: expected >= 0"),
+    ("spin_timeout_ms", -1.0, ValueError, "spin_timeout_ms: expected 0 (off) or a finite value in [0.001, 1e+09] ms"),
     ("device", "cpu", ValueError, "device: expected a CUDA device"),
 ]
 PUBLISH_THREADS = [

@@ -79,6 +79,7 @@ def common(op, tp: int, kernels: Kernels) -> None:
             if dtype in type(op).weight_dtypes
         },
     )  # fmt: skip
+    op._init_call_state()  # the lock and the launch marker every call path uses
 
 
 def dsv_op(tp: int):
@@ -265,7 +266,8 @@ def glm_op(tp: int, cluster_tokens=((4, 2),), persistent_min_tokens: int = 0):
     boundary = BoundaryKernel(BoundaryConfig.__new__(BoundaryConfig))
     side = SimpleNamespace(handle=4321, fork_handle=0, launched_with=[], idle=True)
     side.native_events = lambda stream, capture: (0, 0)
-    side.launched = lambda capture, tensors: side.launched_with.append(tuple(tensors))
+    side.launched = lambda capture, tensors, stream=None: side.launched_with.append(tuple(tensors))
+    side.launching = lambda stream, tensors: None  # kept until a join in the real SideWork
     names = ["boundary", *(f"boundary_x{tokens}" for _, tokens in cluster_tokens)]
     names += ["boundary_persistent"] if persistent_min_tokens else []
     op.__dict__.update(

@@ -25,6 +25,7 @@ from mhc_core.presets import (
     CTA_RESERVED_SHARED_BYTES,
     MAX_CLUSTER_SIZE,
     MAX_SHARED_BYTES,
+    MAX_TOP_K,
     SM_REGISTERS,
     SM_SHARED_BYTES,
     SM_THREADS,
@@ -174,7 +175,7 @@ class DSV41Preset(CollectiveGeometry):
         require_hidden(self.hidden)
         require_int("hc", self.hc, minimum=1, maximum=16)
         require_tp(self.tp)
-        require_int("top_k", self.top_k, minimum=1, maximum=64)
+        require_int("top_k", self.top_k, minimum=1, maximum=MAX_TOP_K)
         require_int("cluster_size", self.cluster_size, minimum=1, maximum=MAX_CLUSTER_SIZE)
         require(self.rank_lanes in (1, 2, 4, 8), "rank_lanes", "must be 1, 2, 4 or 8", self.rank_lanes)
         require(self.tp % self.rank_lanes == 0, "rank_lanes", f"must divide tp ({self.tp})", self.rank_lanes)

@@ -18,11 +18,11 @@ from mhc_core.device.configs import TRIGGER_AFTER_STORES
 from mhc_core.host.calls import M, Rule, ScalarRule, TensorRule, tensor
 from mhc_core.host.compiler import KernelSpec
 from mhc_core.host.moe import MoEOutput
-from mhc_core.host.op import LamportOp
+from mhc_core.host.op import MAX_NUM_TOKENS, LamportOp
 from mhc_core.host.programs import Fixed, Launch, Pointer, Scalar, Source, pointers
 from mhc_core.host.startup import collective
-from mhc_core.host.validation import check_int, check_positive_float
-from mhc_core.presets import warn_if_untuned
+from mhc_core.host.validation import INT32_MAX, check_int, check_positive_float
+from mhc_core.presets import MAX_TOP_K, warn_if_untuned
 
 from . import library  # noqa: F401  (registers the mhc::dsv41_* custom ops)
 from .config import (
@@ -96,12 +96,12 @@ class AllReduceMHC(LamportOp):
     ) -> None:
         self.hc_mult = check_int("hc_mult", hc_mult, minimum=1, maximum=16)
         if clusters is not None:
-            check_int("clusters", clusters, minimum=1)
-        if persistent_min_tokens is not None:
-            check_int("persistent_min_tokens", persistent_min_tokens, minimum=1)
+            check_int("clusters", clusters, minimum=1, maximum=INT32_MAX)  # an Int32 kernel parameter
+        if persistent_min_tokens is not None:  # above MAX_NUM_TOKENS no call reaches it
+            check_int("persistent_min_tokens", persistent_min_tokens, minimum=1, maximum=MAX_NUM_TOKENS)
         self.persistent_min_tokens = PERSISTENT_MIN_TOKENS if persistent_min_tokens is None else persistent_min_tokens
         self.norm_eps = check_positive_float("norm_eps", norm_eps)
-        check_int("top_k", top_k, minimum=1)
+        check_int("top_k", top_k, minimum=1, maximum=MAX_TOP_K)
         super().__init__(
             hidden_size=hidden_size,
             max_num_tokens=max_num_tokens,

@@ -30,6 +30,7 @@ from mhc_core.constants import VEC_BF16, WARP_SIZE
 from mhc_core.presets import (
     MAX_CLUSTER_SIZE,
     MAX_SHARED_BYTES,
+    MAX_TOP_K,
     SM_SHARED_BYTES,
     PresetError,
     require,
@@ -299,7 +300,7 @@ class GLM5Preset:
         require_hidden(self.hidden)
         require(self.hc == HC, "hc", f"must be {HC} (one lane per residual stream in the GLM kernels)", self.hc)
         require_tp(self.tp)
-        require_int("top_k", self.top_k, minimum=1, maximum=64)
+        require_int("top_k", self.top_k, minimum=1, maximum=MAX_TOP_K)
         require_int("cluster_size", self.cluster_size, minimum=1, maximum=MAX_CLUSTER_SIZE)
         fragments = self.hidden // VEC_BF16
         require(

@@ -8,6 +8,10 @@ stream. ``mhc::glm5_join`` makes the current stream wait for them and returns ``
 before the join, and the side-stream kernel still overlaps whatever the graph runs between
 the boundary and the join. Every op takes the op's state (mutated: the calls keep their order)
 and handle; ``boundary`` / ``collect`` / ``join`` below take the op itself.
+
+Threads: each op here is one call of the op under its lock, the hand-over of the side outputs
+included. A join returns the side outputs of the op's last boundary call, whichever thread made
+it: threads sharing one op pair their boundary and join calls under a lock of their own.
 """
 
 from __future__ import annotations
@@ -26,9 +30,19 @@ _UNJOINED: dict[int, tuple[Tensor, Tensor]] = {}
 
 
 def _fused(handle: int, outputs: tuple[Tensor, Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """Keep a boundary call's side outputs for its join (called under the op's lock)."""
     residual_out, post_out, comb_out, layer_input = outputs
     _UNJOINED[handle] = (post_out, comb_out)
     return residual_out, layer_input
+
+
+def _joined(handle: int, op: Any) -> tuple[Tensor, Tensor]:
+    """The last boundary call's side outputs, once the current stream waits for them (under the op's lock)."""
+    unjoined = _UNJOINED.pop(handle, None)
+    if unjoined is None:
+        raise RuntimeError(f"mhc::glm5_join: op handle {handle} has no boundary call to join")
+    op.join()
+    return unjoined
 
 
 @torch.library.custom_op("mhc::glm5_boundary", mutates_args=("state",), device_types="cuda")
@@ -44,8 +58,9 @@ def glm5_boundary(
     base: Tensor,
     norm_weight: Tensor,
 ) -> tuple[Tensor, Tensor]:
-    outputs = library.run(handle, state, lambda op: op(x, residual, post, comb, fn, scale, base, norm_weight))
-    return _fused(handle, outputs)
+    return library.run(
+        handle, state, lambda op: _fused(handle, op(x, residual, post, comb, fn, scale, base, norm_weight))
+    )
 
 
 @glm5_boundary.register_fake
@@ -72,8 +87,9 @@ def glm5_boundary_moe(
     from mhc_core.host.moe import MoEOutput
 
     moe = MoEOutput(gemm2_permuted, expert_weights, index, shared_output)
-    outputs = library.run(handle, state, lambda op: op(moe, residual, post, comb, fn, scale, base, norm_weight))
-    return _fused(handle, outputs)
+    return library.run(
+        handle, state, lambda op: _fused(handle, op(moe, residual, post, comb, fn, scale, base, norm_weight))
+    )
 
 
 @glm5_boundary_moe.register_fake
@@ -94,8 +110,9 @@ def glm5_collect(
     base: Tensor,
     norm_weight: Tensor,
 ) -> tuple[Tensor, Tensor]:
-    outputs = library.run(handle, state, lambda op: op.collect(residual, post, comb, fn, scale, base, norm_weight))
-    return _fused(handle, outputs)
+    return library.run(
+        handle, state, lambda op: _fused(handle, op.collect(residual, post, comb, fn, scale, base, norm_weight))
+    )
 
 
 @glm5_collect.register_fake
@@ -106,12 +123,7 @@ def _(state, handle, residual, post, comb, fn, scale, base, norm_weight):
 @torch.library.custom_op("mhc::glm5_join", mutates_args=("state",), device_types="cuda")
 def glm5_join(state: Tensor, handle: int, residual_out: Tensor) -> tuple[Tensor, Tensor]:
     """``residual_out``: the boundary call's first output (it gives M, and orders the join after it)."""
-    unjoined = _UNJOINED.pop(handle, None)
-    if unjoined is None:
-        library.lookup(handle)  # a dead handle says so first
-        raise RuntimeError(f"mhc::glm5_join: op handle {handle} has no boundary call to join")
-    library.run(handle, state, lambda op: op.join())
-    return unjoined
+    return library.run(handle, state, lambda op: _joined(handle, op))  # a dead handle says so first
 
 
 @glm5_join.register_fake

@@ -36,12 +36,12 @@ from mhc_core.device.configs import TRIGGER_AFTER_WAIT
 from mhc_core.host.calls import M, Rule, TensorRule, tensor
 from mhc_core.host.compiler import KernelSpec
 from mhc_core.host.moe import MoEOutput
-from mhc_core.host.op import LamportOp
+from mhc_core.host.op import MAX_NUM_TOKENS, LamportOp
 from mhc_core.host.programs import DIM_M, Fixed, Launch, Pointer, Source, pointers
 from mhc_core.host.startup import collective
 from mhc_core.host.streams import SideWork
-from mhc_core.host.validation import check_int
-from mhc_core.presets import PresetError, warn_if_untuned
+from mhc_core.host.validation import INT32_MAX, check_int
+from mhc_core.presets import MAX_TOP_K, PresetError, warn_if_untuned
 
 from . import library  # noqa: F401  (registers the mhc::glm5_* custom ops)
 from .config import (
@@ -60,6 +60,15 @@ OUTPUT_DTYPES = (torch.bfloat16, torch.float32, torch.float32, torch.bfloat16)
 
 
 Thresholds = tuple[tuple[int, int], ...]
+
+
+def _check_thresholds(preset: GLM5Preset) -> None:
+    """Every token-count threshold (the native program compares M with them as int64) is one a call
+    can reach: at most ``MAX_NUM_TOKENS``."""
+    thresholds = [("cluster_tokens", threshold) for threshold, _ in preset.cluster_tokens]
+    for name, value in [*thresholds, ("persistent_min_tokens", preset.persistent_min_tokens)]:
+        if value > MAX_NUM_TOKENS:
+            raise ValueError(f"{name}: expected a threshold <= {MAX_NUM_TOKENS} (a call's most tokens), got {value}")
 
 
 class AllReduceMhcBoundary(LamportOp):
@@ -110,9 +119,9 @@ class AllReduceMhcBoundary(LamportOp):
         check_routes: bool = False,
         mailbox_allocation: str | None = None,
     ) -> None:
-        check_int("top_k", top_k, minimum=1)
+        check_int("top_k", top_k, minimum=1, maximum=MAX_TOP_K)
         if clusters is not None:
-            check_int("clusters", clusters, minimum=1)
+            check_int("clusters", clusters, minimum=1, maximum=INT32_MAX)  # an Int32 kernel parameter
         super().__init__(
             hidden_size=hidden_size,
             max_num_tokens=max_num_tokens,
@@ -152,6 +161,7 @@ class AllReduceMhcBoundary(LamportOp):
             )
         except PresetError as error:
             raise ValueError(f"{error.key}: {error.rule}; got {error.value!r}") from None
+        _check_thresholds(preset)
         self.preset = preset  # what the startup's config vote compares (``_model_fingerprint``)
         self._build_publishes()
         self.preset = dataclasses.replace(preset, archs=(self.arch,))
@@ -232,10 +242,14 @@ class AllReduceMhcBoundary(LamportOp):
 
     def join(self) -> None:
         """Make the current stream wait for the last mixes kernel (post_out / comb_out complete).
-        Inside a CUDA-graph capture, call it before the capture ends."""
-        if self._closed or self._side_work.idle:  # close() synchronised the device already
-            return
-        self._side_work.join(*self._order.current())
+        Inside a CUDA-graph capture, call it before the capture ends. Holds the op's lock, like a
+        call; it also works on an op that poisoned itself (its side work may still run)."""
+        with self._lock:
+            if self._closed:  # close() synchronised the device already
+                return
+            # Even when this op's side work was joined: from another stream than the call's, it
+            # has not been waited for there (``SideWork``).
+            self._side_work.join(*self._order.current())
 
     @property
     def side_stream(self) -> torch.cuda.Stream:
@@ -266,10 +280,16 @@ class AllReduceMhcBoundary(LamportOp):
         # The previous mixes kernel still reads and re-arms the hand-off rows until joined.
         return self._side_work.native_events(self._order.stream, capture)
 
-    def _launched(self, capture: int, values: Sequence[object], outputs: Sequence[torch.Tensor]) -> None:
-        # The side kernel uses these after the current stream may have dropped them.
+    def _side_tensors(self, values: Sequence[object], outputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """What the side kernel uses, possibly after the current stream has dropped it."""
         scale, base = values[-3], values[-2]
-        self._side_work.launched(capture, (outputs[1], outputs[2], cast(torch.Tensor, scale), cast(torch.Tensor, base)))
+        return outputs[1], outputs[2], cast(torch.Tensor, scale), cast(torch.Tensor, base)
+
+    def _side_launching(self, values: Sequence[object], outputs: Sequence[torch.Tensor]) -> None:
+        self._side_work.launching(self._order.stream, self._side_tensors(values, outputs))
+
+    def _launched(self, capture: int, values: Sequence[object], outputs: Sequence[torch.Tensor]) -> None:
+        self._side_work.launched(capture, self._side_tensors(values, outputs), self._order.stream)
 
     # ----------------------------------------------------------- the call
     def _collect_rules(self) -> tuple[Rule, ...]:

@@ -1,25 +1,30 @@
 """The standalone Lamport all-reduce: publish + plain collective for any ``[M, hidden]`` BF16 tensor.
 
 ``LamportAllReduce`` is the op (any group, any transport, plain or MoE-finalize
-input); ``lamport_all_reduce`` is a function over it that keeps one op per
-(group, device, hidden, transport) and rebuilds it, collectively, when a larger M
-arrives. The result is the BF16 rounding of the FP32 sum over ranks in the order
-``mhc_core.reference.tp_sum`` gives, bit-identical on every rank.
+input); ``lamport_all_reduce`` is a function over it that keeps one op per (group, device,
+hidden, top_k) and replaces it, collectively, when a larger M or other settings arrive
+(``close_lamport_all_reduce`` closes them). The result is the BF16 rounding of the FP32 sum
+over ranks in the order ``mhc_core.reference.tp_sum`` gives, bit-identical on every rank.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..device.configs import COLLECTIVE_KERNEL, TRIGGER_AFTER_STORES, CollectiveConfig
+from .allocation import requested_allocation
 from .calls import M, Rule, TensorRule, tensor
 from .compiler import KernelSpec
+from .mailbox import requested_transport
 from .moe import MoEOutput
-from .op import LamportOp
+from .op import MAX_NUM_TOKENS, LamportOp
 from .programs import Launch, Pointer, Source
+from .spin import resolve_timeout_ms
 from .startup import collective
+from .validation import check_int
 
 
 class LamportAllReduce(LamportOp):
@@ -49,6 +54,8 @@ class LamportAllReduce(LamportOp):
         check_routes: bool = False,
         mailbox_allocation: str | None = None,
     ) -> None:
+        check_int("threads", threads)  # their ranges: CollectiveConfig's, before anything is built
+        check_int("lanes", lanes)
         super().__init__(
             hidden_size=hidden_size,
             max_num_tokens=max_num_tokens,
@@ -104,7 +111,20 @@ class LamportAllReduce(LamportOp):
         return f"LamportAllReduce(lanes={self.lanes}, {self._describe()})"
 
 
-_OPS: dict[tuple, LamportAllReduce] = {}
+@dataclass
+class _Cached:
+    """An op ``lamport_all_reduce`` keeps, and the settings it was built with."""
+
+    op: LamportAllReduce
+    #: (transport, spin bound, mailbox allocation) as requested (environment variables read).
+    settings: tuple[Any, ...]
+
+
+#: group -> (device, hidden, top_k) -> the op. Keyed by the group object itself (None: tp = 1), never by
+#: its ``id()``, which Python gives a new object once the old one is gone. A weak key would not help:
+#: each op holds its group. A group destroyed with ``torch.distributed.destroy_process_group`` loses
+#: its ops at the next build (dropped, not closed: a destroyed group runs no collective).
+_OPS: dict[Any, dict[tuple[Any, ...], _Cached]] = {}
 
 
 def lamport_all_reduce(
@@ -115,13 +135,17 @@ def lamport_all_reduce(
     max_num_tokens: int | None = None,
     out: torch.Tensor | None = None,
     spin_timeout_ms: float | None = None,
+    mailbox_allocation: str | None = None,
 ) -> torch.Tensor:
     """All-reduce ``x`` (``[M, hidden]`` BF16) over ``group`` with the Lamport protocol.
 
-    Keeps one ``LamportAllReduce`` per (group, device, hidden, transport); the first
-    call, and any call with a larger M than the op holds, builds it collectively,
-    so every rank must make the same calls. For loopback ranks use
-    ``LamportAllReduce`` with ``LoopbackGroup.run`` (one process holds every rank).
+    Keeps one ``LamportAllReduce`` per (group, device, hidden, top_k). The first call builds it
+    (collectively); a call with a larger M than it holds, or with another transport, spin bound or
+    mailbox allocation (arguments, else their environment variables), replaces it: the old op is
+    closed, then the new one built, both collective over the group. So every rank must make the
+    same calls, with the same arguments. ``close_lamport_all_reduce(group)`` closes a group's ops
+    (on every rank: before destroying the group, or to rebuild after a timeout). For loopback
+    ranks use ``LamportAllReduce`` with ``LoopbackGroup.run`` (one process holds every rank).
     """
     from .groups import LoopbackRank
 
@@ -133,20 +157,68 @@ def lamport_all_reduce(
     shared = x.shared_output if isinstance(x, MoEOutput) else x
     if not isinstance(shared, torch.Tensor) or shared.dim() != 2:
         raise TypeError("x: expected a [M, hidden] torch.Tensor or a MoEOutput")
+    if max_num_tokens is not None:
+        check_int("max_num_tokens", max_num_tokens, minimum=1, maximum=MAX_NUM_TOKENS)
+    settings = _requested_settings(transport, spin_timeout_ms, mailbox_allocation)
     m, hidden = shared.shape
     top_k = x.expert_weights.shape[1] if isinstance(x, MoEOutput) and x.expert_weights.dim() == 2 else 0
-    key = (id(group), shared.device, hidden, transport, top_k)
-    op = _OPS.get(key)
-    if op is None or op.capacity < max(m, max_num_tokens or 0):
-        capacity = max(m, max_num_tokens or 0, op.capacity if op is not None else 0)
-        op = LamportAllReduce(
-            hidden_size=hidden,
-            max_num_tokens=capacity,
-            device=shared.device,
-            group=group,
-            transport=transport,
-            top_k=top_k,
-            spin_timeout_ms=spin_timeout_ms,
-        )
-        _OPS[key] = op
-    return op(x, out=out)
+    slot = (shared.device, hidden, top_k)
+    cached = _OPS.get(group, {}).get(slot)
+    capacity = max(m, max_num_tokens or 0)
+    if cached is None or cached.settings != settings or cached.op.capacity < capacity:
+        cached = _replace(group, slot, cached, settings, capacity)
+    return cached.op(x, out=out)
+
+
+def _requested_settings(transport: str | None, spin_timeout_ms: float | None, allocation: str | None) -> tuple:
+    """What an op is built with beyond its shape, as requested (validated; environment read)."""
+    return requested_transport(transport)[0], resolve_timeout_ms(spin_timeout_ms), requested_allocation(allocation)
+
+
+def _replace(
+    group: Any, slot: tuple[Any, ...], old: _Cached | None, settings: tuple[Any, ...], capacity: int
+) -> _Cached:
+    """Close ``old`` (collectively), then build the slot's op (collectively) with ``settings``."""
+    _forget_destroyed_groups()
+    ops = _OPS.setdefault(group, {})
+    if old is not None:
+        capacity = max(capacity, old.op.capacity)
+        del ops[slot]  # gone from the cache even if a rank fails to close it or to build the next
+        old.op.close()
+    device, hidden, top_k = slot
+    transport, spin_timeout_ms, allocation = settings
+    op = LamportAllReduce(
+        hidden_size=hidden, max_num_tokens=capacity, device=device, group=group, transport=transport, top_k=top_k,
+        spin_timeout_ms=spin_timeout_ms or 0, mailbox_allocation=allocation,
+    )  # fmt: skip
+    ops[slot] = _Cached(op, settings)
+    return ops[slot]
+
+
+def close_lamport_all_reduce(group: Any = None) -> None:
+    """Close and forget the ops ``lamport_all_reduce`` keeps for ``group`` (None: tp = 1). Collective
+    over the group, like ``close()``: call it on every rank (before destroying the group, or to build
+    the ops anew after a timeout)."""
+    for cached in _OPS.pop(group, {}).values():
+        cached.op.close()
+
+
+def _forget_destroyed_groups() -> None:
+    """Drop the ops of process groups destroyed since they were built (a destroyed group runs no
+    collective, so they cannot be closed; their memory goes with them)."""
+    for group in [group for group in _OPS if group is not None and _destroyed(group)]:
+        del _OPS[group]
+
+
+def _destroyed(group: Any) -> bool:
+    import torch.distributed as dist
+
+    if not isinstance(group, dist.ProcessGroup):
+        return False
+    if not dist.is_initialized():
+        return True
+    try:
+        dist.get_rank(group)  # a group torch no longer knows raises
+    except (ValueError, RuntimeError):
+        return True
+    return False

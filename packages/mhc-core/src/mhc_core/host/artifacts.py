@@ -272,8 +272,12 @@ def skipped(key: KernelKey) -> str | None:
 
 
 def enabled() -> bool:
-    """Shipped and cached kernels are used (``MHC_PREBUILT`` is not 0)."""
-    return os.environ.get(PREBUILT_ENV, "1") != "0"
+    """Shipped and cached kernels are used: ``MHC_PREBUILT`` unset or 1 (0: compile every kernel);
+    any other value raises (``false`` or ``no`` would otherwise mean the opposite of what they say)."""
+    raw = os.environ.get(PREBUILT_ENV, "").strip() or "1"
+    if raw not in ("0", "1"):
+        raise ValueError(f"{PREBUILT_ENV}: expected 0 (compile every kernel) or 1 (the default), got {raw!r}")
+    return raw == "1"
 
 
 # ------------------------------------------------------------------ manifests

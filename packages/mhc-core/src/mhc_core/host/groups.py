@@ -250,16 +250,29 @@ def run_ranks(
     enqueues every rank's publish, then every rank's collective, on the current
     stream: no collective can wait on a publish enqueued behind it, whatever M.
     ``args[r]`` / ``kwargs[r]`` are rank ``r``'s arguments; returns each rank's outputs.
-    Works for a single tp = 1 op too.
+    Works for a single tp = 1 op too. Holds every op's lock (taken in the order of ``ops``) for
+    the whole run: another thread's run over the same ops comes before or after it, whole.
     """
     if len(args) != len(ops) or (kwargs is not None and len(kwargs) != len(ops)):
         raise ValueError(f"args, kwargs: expected one entry per op ({len(ops)})")
     kwargs = kwargs or [{} for _ in ops]
-    plans = [op.plan(method, *a, **k) for op, a, k in zip(ops, args, kwargs, strict=True)]
-    for plan in plans:
-        plan.publish()
-    # Only the first collective directly follows a publish (PDL prefetch is safe).
-    return [plan.collect(index == 0) for index, plan in enumerate(plans)]
+
+    def run() -> list[Any]:
+        plans = [op.plan(method, *a, **k) for op, a, k in zip(ops, args, kwargs, strict=True)]
+        for plan in plans:
+            plan.publish()
+        # Only the first collective directly follows a publish (PDL prefetch is safe).
+        return [plan.collect(index == 0) for index, plan in enumerate(plans)]
+
+    return _holding_locks(ops, run)
+
+
+def _holding_locks(ops: Sequence[Any], run: Callable[[], list[Any]]) -> list[Any]:
+    """``run()`` holding every op's lock, taken in the order of ``ops``."""
+    if not ops:
+        return run()
+    with ops[0]._lock:
+        return _holding_locks(ops[1:], run)
 
 
 def normalize_device(device: torch.device | str | int) -> torch.device:

@@ -46,12 +46,14 @@ def run(handle: int, state: Tensor, call: Callable[[Any], Any]) -> Any:
     """``call(op)`` for the op behind ``handle``; then, where ``state`` is not the op's own stage
     state (a functionalized graph, e.g. ``torch.compile(backend="aot_eager")`` or opcheck, hands the
     op a copy and writes it back afterwards), the op's advanced state is copied into it, so the
-    write-back cannot roll the mailbox generation back."""
+    write-back cannot roll the mailbox generation back. Both under the op's lock (its calls take it
+    again: an RLock), so another thread's call of the op comes before or after, never in between."""
     op = lookup(handle)
-    result = call(op)
-    own = op.state
-    if state.data_ptr() != own.data_ptr():
-        state.copy_(own)
+    with op._lock:
+        result = call(op)
+        own = op.state
+        if state.data_ptr() != own.data_ptr():
+            state.copy_(own)
     return result
 
 

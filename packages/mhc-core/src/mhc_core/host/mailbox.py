@@ -22,19 +22,24 @@ TRANSPORT_ENV = "MHC_TRANSPORT"
 TRANSPORTS = ("auto", "unicast", "multicast")
 
 
+def requested_transport(requested: str | None) -> tuple[str, str]:
+    """(the transport asked for: the argument, else ``MHC_TRANSPORT``, else "auto"; where it came
+    from), validated."""
+    source = "transport"
+    if requested is None:
+        requested, source = os.environ.get(TRANSPORT_ENV, "auto").strip() or "auto", TRANSPORT_ENV
+    if requested not in TRANSPORTS:
+        raise ValueError(f"{source}: expected one of {TRANSPORTS}, got {requested!r}")
+    return requested, source
+
+
 def resolve_transport(requested: str | None, group: RankGroup) -> str:
     """What the publish uses: ``"local"`` (tp = 1), ``"unicast"`` or ``"multicast"``.
 
     ``None`` reads ``MHC_TRANSPORT`` (default ``"auto"``). ``"auto"`` never selects
     multicast: NVLink multicast is opt-in only (``"multicast"``, explicitly).
     """
-    if requested is None:
-        requested = os.environ.get(TRANSPORT_ENV, "auto").strip() or "auto"
-        source = TRANSPORT_ENV
-    else:
-        source = "transport"
-    if requested not in TRANSPORTS:
-        raise ValueError(f"{source}: expected one of {TRANSPORTS}, got {requested!r}")
+    requested, source = requested_transport(requested)
     if requested == "multicast":
         if group.kind != "process_group":
             raise ValueError(

@@ -23,11 +23,30 @@ Streams: a call runs on the current stream; a call on another stream than the op
 previous one waits for it first (``mhc_core.host.streams.CallOrder``), so calls of one op
 never overlap. For concurrent micro-batches build one op per stream: instances of one
 configuration share their compiled kernels (the compile cache), only the mailbox is new.
+
+Threads: one op's calls are atomic with respect to each other. Every public call path
+(``__call__`` / ``finalize``, ``publish``, ``collect``, ``plan``'s launches, ``check``, GLM's
+``join``, the ``torch.ops.mhc`` custom ops) holds the op's lock (``_lock``, a ``threading.RLock``:
+~0.12 us a call) from its checks to its bookkeeping; the native call releases the GIL, so without
+it two threads' launches interleaved (publish B, publish A, collective B, collective A). Calls from
+several threads are serialised, in the order they take the lock; each may use its own stream. A
+pending ``publish()`` is not held across threads: until its ``collect()`` (from any thread), every
+other call of the op raises ``RuntimeError`` ("a publish() is pending"), as it does on one thread.
+
+Exceptions: a call the native checks reject (``TypeError`` / ``ValueError`` before any launch), or
+that fails before its launch, changes nothing: the op stays usable, a rejected ``collect()`` leaves
+its publish pending. Any other exception from the moment a call enters its launch until its
+bookkeeping is done (``KeyboardInterrupt`` included) leaves the op unable to say whether the call
+ran on the device; so the op poisons itself on the host: every later call and ``check()`` raise
+``OpPoisonedError`` naming the exception. Recovery, as after a timeout: rebuild the op on every
+rank. Side work (GLM's mixes kernel) is registered before its launch, so that its tensors stay
+alive until a ``join()`` whatever interrupts the call; ``join()`` still works on a poisoned op.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,7 +61,8 @@ from ..device.configs import (
     STORE_UNICAST,
     PublishConfig,
 )
-from . import library
+from ..presets import MAX_TOP_K
+from . import artifacts, library
 from .allocation import choose_allocation, device_identity, requested_allocation
 from .calls import ROWS, M, Rule, TensorRule, check_call, tensor
 from .compiler import LOG, CompiledKernel, KernelSpec, compile_kernel, device_arch
@@ -72,8 +92,17 @@ WEIGHT_TORCH_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 #: The most tokens a call can take: a publish encodes M as ``2 M + 1`` in a mailbox header word
 #: that must never read as the -0 sentinel (``mhc_core.device.protocol.encode_count``).
 MAX_NUM_TOKENS = 2**30 - 1
+#: The largest hidden size an op takes. The kernels lay one token's CTAs along grid dimension y
+#: (at most 65 535): 65 536 keeps every geometry (down to 32 threads and 8 lanes: 2 048 CTAs) far
+#: inside it, and is four times the largest hidden size of a public model (16 384).
+MAX_HIDDEN = 65536
 #: The MoE expert output's fields in the order a program takes them (the first binds M).
 MOE_FIELDS = ("shared_output", "gemm2_permuted", "expert_weights", "expanded_idx_to_permuted_idx")
+
+
+class OpPoisonedError(RuntimeError):
+    """An exception interrupted a call of the op after its kernels may have launched: the host no
+    longer knows whether the call ran, so every later call raises this (rebuild the op on every rank)."""
 
 
 @dataclass
@@ -125,11 +154,11 @@ class LamportOp:
         mailbox_allocation: str | None = None,
     ) -> None:
         # Validation only: no CUDA call, no compile, no allocation before every argument is checked.
-        self.hidden_size = check_int("hidden_size", hidden_size, minimum=8)
+        self.hidden_size = check_int("hidden_size", hidden_size, minimum=8, maximum=MAX_HIDDEN)
         if hidden_size % 8:
             raise ValueError(f"hidden_size: expected a multiple of 8, got {hidden_size}")
         self.capacity = check_int("max_num_tokens", max_num_tokens, minimum=1, maximum=MAX_NUM_TOKENS)
-        self.top_k = check_int("top_k", top_k, minimum=0)
+        self.top_k = check_int("top_k", top_k, minimum=0, maximum=MAX_TOP_K)
         check_int("publish_threads", publish_threads, minimum=32, maximum=1024)
         if publish_threads % 32:
             raise ValueError(f"publish_threads: expected a multiple of 32, got {publish_threads}")
@@ -147,6 +176,7 @@ class LamportOp:
             raise ValueError("mailbox_allocation='ipc' has no NVLink multicast mapping: transport='multicast' needs it")
         self.check_routes = bool(check_routes)
         self._timeout_ms = resolve_timeout_ms(spin_timeout_ms)
+        artifacts.enabled()  # MHC_PREBUILT: a value it cannot honour raises now, not at the first compile
         store = STORE_MULTICAST if self.transport == "multicast" else STORE_UNICAST
         common: dict[str, Any] = dict(
             hidden=hidden_size, tp=self.tp, threads=publish_threads, trigger=publish_trigger, store=store
@@ -161,6 +191,17 @@ class LamportOp:
         self._pending_m: int | None = None
         self._closed = False
         self._peers_ready = False
+        self._init_call_state()
+
+    def _init_call_state(self) -> None:
+        """The host state every call path shares (see the module docstring, "Threads", "Exceptions")."""
+        #: Held by every public call path: one op's calls are atomic with respect to each other.
+        self._lock = threading.RLock()
+        #: True from right before a call's native launch until the call path resets it: an exception
+        #: while it is set may come after the launch (``_call_failed`` then poisons the op).
+        self._in_launch = False
+        #: Why the op poisoned itself on the host (``OpPoisonedError``), or None.
+        self._poisoned: str | None = None
 
     def _build_publishes(self) -> None:
         """After every argument is validated: the arch, the spin guard, the publish kernels."""
@@ -170,6 +211,7 @@ class LamportOp:
         self._phase_start = time.perf_counter()
         self._startup.vote("config", self._fingerprint(), device=self.device)  # before the device is touched
         self.arch = device_arch(self.device)
+        self._check_mailbox_fits()  # before the first compile: a mailbox that cannot fit costs none
         self.spin = SpinGuard(self.tp, self._timeout_ms, self.device, self.rank)
         self._order = CallOrder(self.device)
         self._publish_kernel = self._compile(KernelSpec(PUBLISH_KERNEL, self._publish_config))
@@ -186,8 +228,8 @@ class LamportOp:
         with torch.cuda.device(self.device):
             return compile_kernel(spec, self.arch, persist=True)
 
-    def _setup(self) -> None:
-        """Allocate the mailbox (collective), bind the programs, warm up (collective)."""
+    def _check_mailbox_fits(self) -> None:
+        """The mailbox fits the device's free memory (checked before any kernel compiles)."""
         nbytes = mailbox_elements(self.tp, self.capacity, self.hidden_size) * 2
         free, _ = torch.cuda.mem_get_info(self.device)
         if nbytes > free:
@@ -196,6 +238,9 @@ class LamportOp:
                 f"{self.hidden_size}, max_num_tokens = {self.capacity}) does not fit the {free / 2**30:.2f} GiB "
                 f"free on {self.device}"
             )
+
+    def _setup(self) -> None:
+        """Allocate the mailbox (collective), bind the programs, warm up (collective)."""
         self._phase("kernels")
         startup = self._startup
         devices = startup.vote("kernels", self._kernels_fingerprint(), self._device_fact(), self.device)
@@ -437,6 +482,11 @@ class LamportOp:
         """(join event, side event) of a program with a side launch (``Program.has_side``)."""
         raise NotImplementedError
 
+    def _side_launching(self, values: Sequence[object], outputs: Sequence[torch.Tensor]) -> None:
+        """Before an eager program's launches: keep what its side kernel will use until a join, so
+        that nothing interrupting the call after the launch can leave that work unjoined."""
+        raise NotImplementedError
+
     def _launched(self, capture: int, values: Sequence[object], outputs: Sequence[torch.Tensor]) -> None:
         """After a program's side launch: keep what the side kernel uses until it is joined."""
         raise NotImplementedError
@@ -470,9 +520,13 @@ class LamportOp:
         join, side = self._events(capture) if program.has_side else (0, 0)
         if not capture:
             flags |= RECORD_DONE
+            if program.has_side:
+                self._side_launching(values, outputs)
+        self._in_launch = True  # from here an exception may come after the launch (``_call_failed``)
         try:
             m = program.native(flags, m, variant, join, side, *values, *outputs)
-        except (TypeError, ValueError) as error:
+        except (TypeError, ValueError) as error:  # only the native checks raise these: nothing launched
+            self._in_launch = False
             given = outputs if out is not None else None
             self._explain(program, values, None if m < 0 else m, given, rules=rules, error=error)
         if program.has_side:
@@ -490,38 +544,65 @@ class LamportOp:
 
     def _call(self, x: object, values: tuple[Any, ...], out: Any) -> Any:
         """One eager call (``__call__``) with a publish input ``x``: the hot path."""
-        if self._closed or not self._peers_ready:
-            self._check_usable()
-        if type(x) is torch.Tensor or not isinstance(x, MoEOutput):
-            return self._launch_call(self._programs.call, (x, *values), x, values, out, None)
-        fields = (x.shared_output, x.gemm2_permuted, x.expert_weights, x.expanded_idx_to_permuted_idx)
-        return self._call_moe(fields, values, out)
+        with self._lock:
+            if self._closed or self._poisoned is not None or not self._peers_ready:
+                self._check_usable()
+            if type(x) is torch.Tensor or not isinstance(x, MoEOutput):
+                return self._launch_call(self._programs.call, (x, *values), x, values, out, None)
+            fields = (x.shared_output, x.gemm2_permuted, x.expert_weights, x.expanded_idx_to_permuted_idx)
+            return self._call_moe(fields, values, out)  # takes the lock again: an RLock
 
     def _call_moe(self, fields: tuple[Any, ...], values: tuple[Any, ...], out: Any) -> Any:
         """One eager call with MoE input: ``fields`` in ``MOE_FIELDS`` order."""
-        if self._closed or not self._peers_ready:
-            self._check_usable()
-        programs = self._programs
-        program = self._moe_program(programs.call_moe, fields[2], fields)
-        return self._launch_call(program, fields + values, fields[0], values, out, programs.moe_rules)
+        with self._lock:
+            if self._closed or self._poisoned is not None or not self._peers_ready:
+                self._check_usable()
+            programs = self._programs
+            program = self._moe_program(programs.call_moe, fields[2], fields)
+            return self._launch_call(program, fields + values, fields[0], values, out, programs.moe_rules)
 
     def _launch_call(
         self, program: Program, values: tuple[Any, ...], like: Any, collect: tuple[Any, ...], out: Any, rules: Any
     ) -> Any:
+        """An eager call's launches and bookkeeping (the caller holds the lock)."""
         self.spin.check()
         if self._pending_m is not None:
             raise RuntimeError("a publish() is pending; call collect() first")
         order = self._order
+        self._in_launch = False
         capture = order.begin()
         try:
             outputs = self._run(
                 program, values, out, like=like, collect=collect, flags=AFTER_PUBLISH_FLAG, capture=capture, rules=rules
             )
-        except BaseException:
-            order.cancel()
+            order.end()
+        except BaseException as error:
+            self._call_failed(error)
             raise
-        order.end()
         return outputs
+
+    def _call_failed(self, error: BaseException) -> None:
+        """A call path raised. Before its launch (rejected by the native checks, or failed earlier)
+        nothing changed; from its launch on, the op poisons itself (see the module docstring)."""
+        if self._in_launch:
+            self._poison(error)
+        self._order.cancel()
+
+    def _poison(self, error: BaseException) -> None:
+        """Make every later call (and ``check()``) raise ``OpPoisonedError`` saying why. Only the
+        message is kept: the exception's traceback would keep the call's tensors alive."""
+        what = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        self._poisoned = (
+            f"{type(self).__name__} (rank {self.rank}) is unusable: a call raised {what} after its kernels may "
+            "have launched, so this process cannot tell whether the call ran on the device (the mailbox "
+            "generation, a pending publish or side work may be ahead of what the host knows); rebuild the op "
+            "on every rank"
+        )
+
+    def _ensure_usable(self) -> None:
+        """The hot paths' check: ``_check_usable`` only when something may be wrong."""
+        if self._closed or self._poisoned is not None or not self._peers_ready:
+            self._check_usable()
 
     # --------------------------------------------------------------- public API
     @property
@@ -532,8 +613,11 @@ class LamportOp:
         return self.mailbox.stage_state
 
     def check(self) -> None:
-        """Raise any error a kernel reported (spin timeout, bad route index)."""
-        self.spin.check()
+        """Raise any error a kernel reported (spin timeout, bad route index), or the op's poisoning."""
+        with self._lock:
+            self.spin.check()
+            if self._poisoned is not None:
+                raise OpPoisonedError(self._poisoned)
 
     @property
     def ready(self) -> bool:
@@ -578,6 +662,8 @@ class LamportOp:
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} was closed: build a new op (collectively) to call it again")
         self.spin.check()
+        if self._poisoned is not None:
+            raise OpPoisonedError(self._poisoned)
         missing = self.group.missing_peers(self)
         if missing:
             raise RuntimeError(
@@ -587,33 +673,42 @@ class LamportOp:
         self._peers_ready = True  # ranks never leave a group: no need to ask again
 
     def publish(self, x: torch.Tensor | MoEOutput) -> None:
-        """Phase one: publish this rank's partial (or MoE output) for the next ``collect``."""
-        self._check_usable()
-        if self._pending_m is not None:
-            raise RuntimeError("publish(): a previous publish() has not been collected yet; call collect() first")
-        programs = self._programs
-        program, values = self._publish_input(x, programs.publish_moe, programs.publish)
-        rules = programs.moe_rules[: len(MOE_FIELDS)] if isinstance(x, MoEOutput) else None
-        capture = self._order.begin()
-        try:
-            self._pending_m = int(self._run(program, values, None, capture=capture, rules=rules))
-        except BaseException:
-            self._order.cancel()
-            raise
+        """Phase one: publish this rank's partial (or MoE output) for the next ``collect``. Until
+        that collect (from any thread), every other call of the op raises."""
+        with self._lock:
+            self._check_usable()
+            if self._pending_m is not None:
+                raise RuntimeError("publish(): a previous publish() has not been collected yet; call collect() first")
+            programs = self._programs
+            program, values = self._publish_input(x, programs.publish_moe, programs.publish)
+            rules = programs.moe_rules[: len(MOE_FIELDS)] if isinstance(x, MoEOutput) else None
+            self._in_launch = False
+            capture = self._order.begin()
+            try:
+                self._pending_m = int(self._run(program, values, None, capture=capture, rules=rules))
+            except BaseException as error:
+                self._call_failed(error)
+                raise
 
     def _collect_pending(self, values: tuple[Any, ...], out: Any, after_publish: bool) -> Any:
         """Validate and launch the collective for the pending publish's M."""
-        self._check_usable()
-        if self._pending_m is None:
-            raise RuntimeError("collect(): no publish() is pending; the collective would wait forever")
-        flags = AFTER_PUBLISH_FLAG if after_publish else 0
-        outputs = self._run(
-            self._programs.collect, values, out, collect=values, m=self._pending_m, flags=flags,
-            capture=self._order.capture,
-        )  # fmt: skip
-        self._pending_m = None  # only now: a rejected collect leaves the publish pending, to collect again
-        self._order.end()
-        return self._returns(outputs)
+        with self._lock:
+            self._check_usable()
+            if self._pending_m is None:
+                raise RuntimeError("collect(): no publish() is pending; the collective would wait forever")
+            flags = AFTER_PUBLISH_FLAG if after_publish else 0
+            self._in_launch = False
+            try:
+                outputs = self._run(
+                    self._programs.collect, values, out, collect=values, m=self._pending_m, flags=flags,
+                    capture=self._order.capture,
+                )  # fmt: skip
+                self._pending_m = None  # only now: a rejected collect leaves the publish pending, to collect again
+                self._order.end()
+            except BaseException as error:
+                self._call_failed(error)
+                raise
+            return self._returns(outputs)
 
     def _plan_values(self, method: str, *args: Any, **kwargs: Any) -> tuple[object, tuple[Any, ...], Any]:
         """(publish input, collect values, out) of a ``method`` call's arguments."""
@@ -624,39 +719,67 @@ class LamportOp:
         publish and its collect, launched by the returned plan (``run_ranks``)."""
         if method not in ("call", "finalize"):
             raise ValueError(f"method: expected 'call' or 'finalize', got {method!r}")
-        self._check_usable()
+        with self._lock:
+            self._check_usable()
+            self._require_no_publish(method)
+            x, values, out = self._plan_values(method, *args, **kwargs)
+            programs = self._programs
+            if self.tp == 1 and self.reads_x and type(x) is torch.Tensor:  # the direct path: one launch
+                m = self._check(programs.call, (x, *values), out)
+                return self._plan(m, None, dict(program=programs.call, values=(x, *values), like=x, m=-1), values, out)
+            moe_rules = programs.moe_rules[: len(MOE_FIELDS)] if isinstance(x, MoEOutput) else None
+            publish, inputs = self._publish_input(x, programs.publish_moe, programs.publish)
+            m = self._check(publish, inputs, None, rules=moe_rules)
+            self._check(programs.collect, values, out, m=m)
+            return self._plan(m, (publish, inputs), dict(program=programs.collect, values=values, m=m), values, out)
+
+    def _require_no_publish(self, what: str) -> None:
         if self._pending_m is not None:
-            raise RuntimeError(f"{method}: a publish() is pending; call collect() first")
-        x, values, out = self._plan_values(method, *args, **kwargs)
-        programs = self._programs
-        if self.tp == 1 and self.reads_x and type(x) is torch.Tensor:  # the direct path: one launch
-            m = self._check(programs.call, (x, *values), out)
-            return self._plan(m, None, dict(program=programs.call, values=(x, *values), like=x, m=-1), values, out)
-        moe_rules = programs.moe_rules[: len(MOE_FIELDS)] if isinstance(x, MoEOutput) else None
-        publish, inputs = self._publish_input(x, programs.publish_moe, programs.publish)
-        m = self._check(publish, inputs, None, rules=moe_rules)
-        self._check(programs.collect, values, out, m=m)
-        return self._plan(m, (publish, inputs), dict(program=programs.collect, values=values, m=m), values, out)
+            raise RuntimeError(f"{what}: a publish() is pending; call collect() first")
 
     def _plan(
         self, m: int, publish: tuple[Any, ...] | None, collect: dict[str, Any], values: tuple[Any, ...], out: Any
     ) -> Plan:
-        order = self._order
+        """The plan's two launches. Each holds the op's lock; in between, the publish is pending (the
+        op's other calls raise), as after ``publish()``. The direct path launches only in its collect."""
 
         def run_publish() -> None:
-            capture = order.begin()
-            if publish is not None:
-                program, inputs = publish
-                self._run(program, inputs, None, capture=capture)
+            if publish is None:
+                return
+            program, inputs = publish
+            with self._lock:
+                self._ensure_usable()
+                self._require_no_publish("plan publish")
+                self._in_launch = False
+                capture = self._order.begin()
+                try:
+                    self._run(program, inputs, None, capture=capture)
+                    self._pending_m = m
+                except BaseException as error:
+                    self._call_failed(error)
+                    raise
 
         def run_collect(after_publish: bool) -> Any:
             flags = AFTER_PUBLISH_FLAG if after_publish else 0
-            outputs = self._run(
-                collect["program"], collect["values"], out, like=collect.get("like"), collect=values,
-                m=collect["m"], flags=flags, capture=order.capture,
-            )  # fmt: skip
-            order.end()
-            return self._returns(outputs)
+            with self._lock:
+                self._ensure_usable()
+                self._in_launch = False
+                if publish is None:  # the direct path: this is the call's one launch
+                    self._require_no_publish("plan collect")
+                    self._order.begin()
+                elif self._pending_m != m:
+                    raise RuntimeError("plan collect: its publish is not pending (not run, or collected already)")
+                try:
+                    outputs = self._run(
+                        collect["program"], collect["values"], out, like=collect.get("like"), collect=values,
+                        m=collect["m"], flags=flags, capture=self._order.capture,
+                    )  # fmt: skip
+                    self._pending_m = None
+                    self._order.end()
+                except BaseException as error:
+                    self._call_failed(error)
+                    raise
+                return self._returns(outputs)
 
         return Plan(m, run_publish, run_collect)
 

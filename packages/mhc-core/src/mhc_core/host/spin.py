@@ -78,22 +78,37 @@ class RouteIndexError(ValueError):
     """The finalize publish met a route index outside [-1, rows) (debug mode; the route was dropped)."""
 
 
+#: The range of a spin bound that is on. Below a microsecond the bound rounds to 0 ns (1e-7 ms
+#: would turn it off while the op reported 1e-07); above 1e9 ms (11.6 days, far beyond any
+#: collective's wait) the device's deadlines (a global-timer reading plus twice the bound plus
+#: ``HANDOFF_SLACK_MS``, in Int64 nanoseconds) would come near overflowing.
+MIN_SPIN_TIMEOUT_MS = 0.001
+MAX_SPIN_TIMEOUT_MS = 1e9
+_SPIN_RANGE = f"0 (off) or a finite value in [{MIN_SPIN_TIMEOUT_MS}, {MAX_SPIN_TIMEOUT_MS:.0e}] ms"
+
+
 def resolve_timeout_ms(spin_timeout_ms: float | None) -> float | None:
     """The explicit argument, else ``MHC_SPIN_TIMEOUT_MS``, else ``DEFAULT_SPIN_TIMEOUT_MS``;
-    0 means off (None)."""
+    0 means off (None). Anything else outside ``[MIN_SPIN_TIMEOUT_MS, MAX_SPIN_TIMEOUT_MS]`` (nan,
+    inf, negatives, values that round to 0 ns, values that overflow the device's deadlines) raises,
+    naming the argument or the variable it came from."""
+    source = "spin_timeout_ms"
     if spin_timeout_ms is None:
         raw = os.environ.get(SPIN_TIMEOUT_ENV, "").strip()
         if not raw:
             return DEFAULT_SPIN_TIMEOUT_MS
+        source = SPIN_TIMEOUT_ENV
         try:
             spin_timeout_ms = float(raw)
         except ValueError:
-            raise ValueError(f"{SPIN_TIMEOUT_ENV}: expected a number of milliseconds, got {raw!r}") from None
+            raise ValueError(f"{SPIN_TIMEOUT_ENV}: expected {_SPIN_RANGE}, got {raw!r}") from None
     if isinstance(spin_timeout_ms, bool) or not isinstance(spin_timeout_ms, (int, float)):
-        raise TypeError(f"spin_timeout_ms: expected a float or None, got {type(spin_timeout_ms).__name__}")
-    if not spin_timeout_ms >= 0:
-        raise ValueError(f"spin_timeout_ms: expected >= 0 (0: no bound), got {spin_timeout_ms}")
-    return float(spin_timeout_ms) or None
+        raise TypeError(f"{source}: expected a float or None, got {type(spin_timeout_ms).__name__}")
+    if spin_timeout_ms == 0:
+        return None
+    if not MIN_SPIN_TIMEOUT_MS <= spin_timeout_ms <= MAX_SPIN_TIMEOUT_MS:  # nan compares false
+        raise ValueError(f"{source}: expected {_SPIN_RANGE}, got {spin_timeout_ms}")
+    return float(spin_timeout_ms)
 
 
 class SpinGuard:

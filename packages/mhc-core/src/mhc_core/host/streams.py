@@ -14,7 +14,9 @@ device in the order they were issued, whatever stream each was issued on:
   stream waits for it before the op's next call and at ``join``; the tensors it uses stay
   alive until then: ``record_stream`` in eager mode, a reference held until the join inside
   a capture (where a dropped output's memory would otherwise go to the next allocation of
-  the same capture, racing the side kernel on every replay).
+  the same capture, racing the side kernel on every replay). Eager side work counts as joined
+  only once the stream of the call that launched it has waited for it: a join or a call on any
+  other stream (another thread's, say) waits for it too.
 
 No event is queried or synchronised here: both are illegal while any stream captures.
 """
@@ -153,6 +155,9 @@ class SideWork:
         self.fork_handle: int = self._fork_event.cuda_event
         self.eager_handle: int = self._eager_event.cuda_event
         self._eager_pending = False
+        #: The stream of the call that made the last eager side launch (None: none yet). Only its
+        #: join ends ``_eager_pending``; every other stream waits for the side work at its join or call.
+        self._eager_stream: torch.cuda.Stream | None = None
         # The last eager side launch's tensors, kept until the work is joined (their memory then
         # goes back to the current stream, whose later work follows the join).
         self._eager_held: tuple[torch.Tensor, ...] = ()
@@ -177,10 +182,25 @@ class SideWork:
             self.join(stream, capture)
             return 0, 0
         self._captured = None  # a capture that never joined its side work failed: nothing to wait for
-        return (self.eager_handle if self._eager_pending else 0), self.eager_handle
+        waits = self._eager_pending or self._elsewhere(stream)
+        return (self.eager_handle if waits else 0), self.eager_handle
 
-    def launched(self, capture: int, tensors: Iterable[torch.Tensor]) -> None:
-        """After the side launch: remember it for the next join; keep ``tensors`` alive until then."""
+    def _elsewhere(self, stream: torch.cuda.Stream | None) -> bool:
+        """Whether eager side work was launched from another stream than ``stream``."""
+        eager = self._eager_stream
+        return eager is not None and stream is not eager and stream != eager
+
+    def launching(self, stream: torch.cuda.Stream | None, tensors: Iterable[torch.Tensor]) -> None:
+        """Before an eager side launch from ``stream``: keep ``tensors`` too until the next join, and
+        make that join wait, whatever interrupts the call after its launch (``launched`` then keeps
+        only these). A call rejected after this costs only a join that waits for earlier side work."""
+        self._eager_held = (*self._eager_held, *tensors)
+        self._eager_pending = True
+        self._eager_stream = stream
+
+    def launched(self, capture: int, tensors: Iterable[torch.Tensor], stream: torch.cuda.Stream | None = None) -> None:
+        """After the side launch (from ``stream``): remember it for the next join; keep ``tensors``
+        alive until then."""
         if capture:
             event = torch.cuda.Event()
             event.record(self.stream)
@@ -189,6 +209,7 @@ class SideWork:
         # The native program waited for the previous side work before this launch.
         self._eager_held = tuple(tensors)
         self._eager_pending = True
+        self._eager_stream = stream
 
     def join(self, stream: torch.cuda.Stream, capture: int) -> None:
         """``stream`` waits for the last side work (of this capture, or the last eager one)."""
@@ -198,10 +219,11 @@ class SideWork:
         if captured is not None:
             stream.wait_event(captured.event)
             self._captured = None  # the wait orders every later use of its tensors after the side kernel
-        elif self._eager_pending:
+        elif self._eager_pending or (not capture and self._elsewhere(stream)):
             # Inside a capture this is an external event-wait node (the event was recorded outside).
             stream.wait_event(self._eager_event)
-            if not capture:
+            if not capture and not self._elsewhere(stream):
+                # The launching call's stream: its outputs' memory now follows the side work.
                 self._eager_pending = False
                 self._eager_held = ()
 

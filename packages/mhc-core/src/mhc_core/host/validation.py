@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
+
+from ..presets import FP32_MAX, FP32_MIN_NORMAL
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.int32: "int32", torch.int64: "int64"}
 
@@ -18,21 +19,36 @@ def _shape(shape: Sequence[int]) -> str:
     return "[" + ", ".join(str(extent) for extent in shape) + "]"
 
 
+#: The largest value of an Int32 kernel parameter.
+INT32_MAX = 2**31 - 1
+
+
+def _allowed(minimum: int | None, maximum: int | None) -> str:
+    """`` (allowed: [minimum, maximum])`` when both bounds exist: the message then names the range."""
+    return f" (allowed: [{minimum}, {maximum}])" if minimum is not None and maximum is not None else ""
+
+
 def check_int(name: str, value: object, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    allowed = _allowed(minimum, maximum)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}{allowed}")
     if minimum is not None and value < minimum:
-        raise ValueError(f"{name}: expected >= {minimum}, got {value}")
+        raise ValueError(f"{name}: expected >= {minimum}, got {value}{allowed}")
     if maximum is not None and value > maximum:
-        raise ValueError(f"{name}: expected <= {maximum}, got {value}")
+        raise ValueError(f"{name}: expected <= {maximum}, got {value}{allowed}")
     return value
 
 
 def check_positive_float(name: str, value: object) -> float:
+    """A float the kernels compute with in FP32: finite, > 0 and a normal FP32 value (nan, inf,
+    negatives, zero and values that round to zero or inf in FP32 are refused)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name}: expected a float, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}: expected a finite value > 0, got {value}")
+    if not FP32_MIN_NORMAL <= value <= FP32_MAX:  # nan compares false
+        raise ValueError(
+            f"{name}: expected a finite value > 0, got {value} (allowed: FP32's normal range "
+            f"[{FP32_MIN_NORMAL:.9g}, {FP32_MAX:.9g}], which the kernels compute in)"
+        )
     return float(value)
 
 

@@ -10,8 +10,8 @@
 // as a foreign storage):
 //
 //   1. every parameter is checked (dtype, shape with the token count M / MoE rows bound from
-//      their leading extents, device, contiguity as torch defines it, alignment; scalars finite
-//      and > 0). Nothing is launched before all pass. A failing call raises a
+//      their leading extents, device, contiguity as torch defines it, alignment; scalars normal
+//      FP32 values > 0). Nothing is launched before all pass. A failing call raises a
 //      ValueError whose message starts "mhc-invalid"; the Python side then runs the same rules
 //      with the project's messages (`mhc_core.host.calls.check_call`), so the rules live in one
 //      declaration and the messages in one place;
@@ -34,7 +34,7 @@
 #include <tvm/ffi/function.h>
 #include <tvm/ffi/string.h>
 
-#include <cmath>
+#include <cfloat>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -220,7 +220,8 @@ struct Call {
         } else {
           reject(static_cast<int>(i), "not a float");
         }
-        if (!std::isfinite(scalar) || scalar <= 0) reject(static_cast<int>(i), "not finite and > 0");
+        // The kernels take scalars as FP32: a value that rounds to a subnormal, zero or inf there is refused.
+        if (!(scalar >= FLT_MIN && scalar <= FLT_MAX)) reject(static_cast<int>(i), "not a normal FP32 > 0");
         scalars[i] = scalar;
         continue;
       }
