@@ -31,8 +31,13 @@ NEGATIVE_ZERO_F32 = 0x80000000
 SUPPORTED_ARCHS = ("sm_90a", "sm_100a", "sm_103a")
 ARCH_BY_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a"}
 
-#: Words of the host-mapped error flag: code, stage, token, fragment, then one per rank.
-ERROR_CODE, ERROR_STAGE, ERROR_TOKEN, ERROR_DETAIL, ERROR_RANKS = 0, 1, 2, 3, 4
+#: Words of the host-mapped error report. The op's failure (a code that poisons it: code, stage,
+#: token, fragment, then one word per rank from ERROR_RANKS) and the finalize publish's route report
+#: (ROUTE_CODE, ROUTE_TOKEN, ROUTE_INDEX: a debug check that poisons nothing) have words of their
+#: own, so that neither report can overwrite or clear the other (issue #32).
+ERROR_CODE, ERROR_STAGE, ERROR_TOKEN, ERROR_DETAIL = 0, 1, 2, 3
+ROUTE_CODE, ROUTE_TOKEN, ROUTE_INDEX = 4, 5, 6
+ERROR_RANKS = 8
 ERROR_NONE = 0
 ERROR_SPIN_TIMEOUT = 1
 ERROR_ROUTE_INDEX = 2
@@ -40,6 +45,9 @@ ERROR_ROUTE_INDEX = 2
 ERROR_HANDOFF_TIMEOUT = 3
 #: A peer published a different token count M for the same generation (debug check).
 ERROR_TOKEN_COUNT = 4
+#: The op was closed (``close()`` writes it into the stage state's error words): a CUDA graph that
+#: captured it and replays afterwards runs poisoned kernels, which touch no mailbox and write NaN.
+ERROR_CLOSED = 5
 
 #: NaN as a bf16x2 word: what a poisoned kernel sums instead of the mailbox's values.
 NAN_BF16_PAIR = 0x7FC07FC0

@@ -15,7 +15,7 @@ from typing import Any, cast
 import torch
 
 from mhc_core.device.configs import TRIGGER_AFTER_STORES
-from mhc_core.host.calls import M, Rule, ScalarRule, TensorRule, tensor
+from mhc_core.host.calls import IN_PLACE_LAYER_INPUT, M, Rule, ScalarRule, TensorRule, tensor
 from mhc_core.host.compiler import KernelSpec
 from mhc_core.host.moe import MoEOutput
 from mhc_core.host.op import MAX_NUM_TOKENS, LamportOp
@@ -190,8 +190,15 @@ class AllReduceMHC(LamportOp):
 
     def _output_rules(self) -> tuple[TensorRule, ...]:
         return (
-            tensor("out[0] (residual_out)", (M, self.hc_mult, self.hidden_size), dtype=torch.bfloat16),
-            tensor("out[1] (layer_input)", (M, self.hidden_size), dtype=torch.bfloat16),
+            # In place (vLLM's habit, out=(residual, x)): a thread reads a token's columns of every
+            # residual stream (and of x) before it writes them, and no other cluster reads them.
+            tensor(
+                "out[0] (residual_out)",
+                (M, self.hc_mult, self.hidden_size),
+                dtype=torch.bfloat16,
+                aliases=("residual",),
+            ),
+            tensor("out[1] (layer_input)", (M, self.hidden_size), dtype=torch.bfloat16, aliases=IN_PLACE_LAYER_INPUT),
         )
 
     def _collect_launches(self, *, direct: bool, prefetch: Source) -> list[Launch]:

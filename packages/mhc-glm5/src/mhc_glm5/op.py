@@ -33,7 +33,7 @@ import torch
 
 from mhc_core.constants import SUPPORTED_ARCHS
 from mhc_core.device.configs import TRIGGER_AFTER_WAIT
-from mhc_core.host.calls import M, Rule, TensorRule, tensor
+from mhc_core.host.calls import IN_PLACE_LAYER_INPUT, M, Rule, TensorRule, tensor
 from mhc_core.host.compiler import KernelSpec
 from mhc_core.host.moe import MoEOutput
 from mhc_core.host.op import MAX_NUM_TOKENS, LamportOp
@@ -57,6 +57,10 @@ from .config import (
 Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 OUTPUT_NAMES = ("out[0] (residual_out)", "out[1] (post_out)", "out[2] (comb_out)", "out[3] (layer_input)")
 OUTPUT_DTYPES = (torch.bfloat16, torch.float32, torch.float32, torch.bfloat16)
+#: What each output may be, in place: the boundary reads a token's residual streams and x before it
+#: writes them (and no other cluster reads them). post_out and comb_out are written by the mixes
+#: kernel on the side stream while the boundary may still read post and comb: never in place.
+OUTPUT_ALIASES = (("residual",), (), (), IN_PLACE_LAYER_INPUT)
 
 
 Thresholds = tuple[tuple[int, int], ...]
@@ -307,8 +311,8 @@ class AllReduceMhcBoundary(LamportOp):
     def _output_rules(self) -> tuple[TensorRule, ...]:
         shapes = ((M, HC, self.hidden_size), (M, HC, 1), (M, HC, HC), (M, self.hidden_size))
         return tuple(
-            tensor(name, shape, dtype=dtype)
-            for name, shape, dtype in zip(OUTPUT_NAMES, shapes, OUTPUT_DTYPES, strict=True)
+            tensor(name, shape, dtype=dtype, aliases=aliases)
+            for name, shape, dtype, aliases in zip(OUTPUT_NAMES, shapes, OUTPUT_DTYPES, OUTPUT_ALIASES, strict=True)
         )
 
     def _variants(self) -> list[tuple[int, str]]:

@@ -18,7 +18,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32, Int64, Uint16, Uint32
 
-from ..constants import ERROR_CODE, ERROR_DETAIL, ERROR_ROUTE_INDEX, ERROR_TOKEN, STAGE_STATE_WORDS, VEC_BF16
+from ..constants import ERROR_ROUTE_INDEX, ROUTE_CODE, ROUTE_INDEX, ROUTE_TOKEN, STAGE_STATE_WORDS, VEC_BF16
 from . import protocol, ptx
 from .configs import TRIGGER_AFTER_STORES, TRIGGER_AFTER_WAIT, PublishConfig
 from .kernel import DeviceKernel
@@ -220,9 +220,10 @@ class FinalizePublishKernel(_PublishBase):
                 # or a bug upstream): never a gather past gemm2.
                 taken[k] = (row >= Int32(0)) & (row < rows)
                 if (check_routes != Int32(0)) & ((row < Int32(-1)) | (row >= rows)):
-                    ptx.store_system_u32(error_flag + Int64(ERROR_TOKEN * 4), Uint32(token))
-                    ptx.store_system_u32(error_flag + Int64(ERROR_DETAIL * 4), Uint32(k))
-                    ptx.store_system_u32(error_flag + Int64(ERROR_CODE * 4), Uint32(ERROR_ROUTE_INDEX))
+                    # The route report's own words: never over a timeout's report (issue #32).
+                    ptx.store_system_u32(error_flag + Int64(ROUTE_TOKEN * 4), Uint32(token))
+                    ptx.store_system_u32(error_flag + Int64(ROUTE_INDEX * 4), Uint32(k))
+                    ptx.store_system_u32(error_flag + Int64(ROUTE_CODE * 4), Uint32(ERROR_ROUTE_INDEX))
             for k in cutlass.range_constexpr(top_k):
                 if taken[k]:
                     element = Int64(route_rows[k]) * config.hidden + column

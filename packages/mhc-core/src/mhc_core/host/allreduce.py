@@ -16,7 +16,7 @@ import torch
 
 from ..device.configs import COLLECTIVE_KERNEL, TRIGGER_AFTER_STORES, CollectiveConfig
 from .allocation import requested_allocation
-from .calls import M, Rule, TensorRule, tensor
+from .calls import IN_PLACE_LAYER_INPUT, M, Rule, TensorRule, tensor
 from .compiler import KernelSpec
 from .mailbox import requested_transport
 from .moe import MoEOutput
@@ -78,7 +78,8 @@ class LamportAllReduce(LamportOp):
         return ()
 
     def _output_rules(self) -> tuple[TensorRule, ...]:
-        return (tensor("out", (M, self.hidden_size), dtype=torch.bfloat16),)
+        # In place: out may be x (or the MoE shared output); the collective writes after the publish read it.
+        return (tensor("out", (M, self.hidden_size), dtype=torch.bfloat16, aliases=IN_PLACE_LAYER_INPUT),)
 
     def _collect_launches(self, *, direct: bool, prefetch: Source) -> list[Launch]:
         kernel = self._collective_kernel

@@ -5,7 +5,9 @@ A parameter is a ``TensorRule`` (accepted dtypes and shapes; a shape names the t
 and the MoE expert output's ``ROWS`` where they vary) or a ``ScalarRule`` (a finite float > 0).
 The first tensor whose leading extent is ``M`` binds it (and must hold ``1 <= M <=
 max_num_tokens``); every later ``M`` must equal it. Outputs are ``TensorRule``s too: allocated
-from their first shape and dtype, or, when the caller passes them, checked like the inputs.
+from their first shape and dtype, or, when the caller passes them, checked like the inputs. A
+given output may be one of the parameters its rule names in ``aliases`` (exactly those bytes, in
+place: issue #32) and overlaps nothing else.
 
 ``check_call`` runs the rules in order and raises the first failure with the argument's name,
 what was expected and what came (``mhc_core.host.validation``'s messages).
@@ -20,6 +22,8 @@ import torch
 
 from .validation import check_positive_float, check_tensor, check_token_count, leading_extent
 
+#: What a layer-input output may be in place: the publish input (x, or the MoE shared output).
+IN_PLACE_LAYER_INPUT = ("x", "shared_output")
 #: Shape entries that vary per call.
 M = "M"
 ROWS = "rows"
@@ -36,6 +40,8 @@ class TensorRule:
     shapes: tuple[tuple[Dim, ...], ...]
     dtypes: tuple[torch.dtype, ...]
     align: int = 16
+    #: An output's: the parameters it may be exactly (in place); it overlaps nothing else.
+    aliases: tuple[str, ...] = ()
 
     @property
     def binds_m(self) -> bool:
@@ -57,11 +63,15 @@ Rule = TensorRule | ScalarRule
 
 
 def tensor(
-    name: str, *shapes: tuple[Dim, ...], dtype: torch.dtype | Sequence[torch.dtype], align: int = 16
+    name: str,
+    *shapes: tuple[Dim, ...],
+    dtype: torch.dtype | Sequence[torch.dtype],
+    align: int = 16,
+    aliases: tuple[str, ...] = (),
 ) -> TensorRule:
     """A ``TensorRule`` with one or more accepted shapes."""
     dtypes = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
-    return TensorRule(name, tuple(shapes), dtypes, align)
+    return TensorRule(name, tuple(shapes), dtypes, align, aliases)
 
 
 def _resolved(shape: tuple[Dim, ...], m: int, rows: int) -> tuple[int, ...]:
@@ -95,7 +105,40 @@ def check_call(
         raise TypeError("no parameter gives the token count M")
     for rule, value in zip(outputs, out or (), strict=False):
         check_tensor(rule.name, value, shape=_resolved(rule.shapes[0], m, rows), dtype=rule.dtypes, device=device)
+    if out is not None:
+        check_overlaps(rules, values, outputs, out)
     return m
+
+
+def _span(value: object) -> tuple[int, int]:
+    """The bytes a checked (contiguous) tensor spans."""
+    assert isinstance(value, torch.Tensor)
+    return value.data_ptr(), value.data_ptr() + value.numel() * value.element_size()
+
+
+def check_overlaps(
+    rules: Sequence[Rule], values: Sequence[object], outputs: Sequence[TensorRule], out: Sequence[object]
+) -> None:
+    """Each output overlaps no parameter but one its rule ``aliases``, and then exactly (in place),
+    and no other output (the same rule as the native executor's)."""
+    seen: list[tuple[str, tuple[int, int]]] = [
+        (rule.name, _span(value)) for rule, value in zip(rules, values, strict=True) if isinstance(rule, TensorRule)
+    ]
+    for rule, value in zip(outputs, out, strict=False):
+        mine = _span(value)
+        if mine[0] == mine[1]:
+            continue
+        for name, theirs in seen:
+            if not (mine[0] < theirs[1] and theirs[0] < mine[1]):
+                continue
+            if name in rule.aliases and mine == theirs:
+                continue
+            allowed = f"; it may only be {' or '.join(rule.aliases)} itself (in place)" if rule.aliases else ""
+            raise ValueError(
+                f"{rule.name}: expected memory of its own{allowed}, got a tensor overlapping {name} "
+                f"(bytes [{mine[0]:#x}, {mine[1]:#x}) against [{theirs[0]:#x}, {theirs[1]:#x}))"
+            )
+        seen.append((rule.name, mine))
 
 
 def _align(rule: TensorRule, value: object) -> int:

@@ -54,6 +54,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from ..constants import ERROR_CLOSED, ERROR_COPY, ERROR_WORD
 from ..device.configs import (
     FINALIZE_PUBLISH_KERNEL,
     PUBLISH_KERNEL,
@@ -98,6 +99,11 @@ MAX_NUM_TOKENS = 2**30 - 1
 MAX_HIDDEN = 65536
 #: The MoE expert output's fields in the order a program takes them (the first binds M).
 MOE_FIELDS = ("shared_output", "gemm2_permuted", "expert_weights", "expanded_idx_to_permuted_idx")
+#: Ops a CUDA graph captured, by id, kept alive until ``close()``: a graph may replay them any time.
+_CAPTURED: dict[int, LamportOp] = {}
+#: What closed ops that a graph captured leave to their replays (``LamportOp._replay_state``), kept for
+#: the life of the process: a few small buffers per op.
+_RETIRED: list[tuple[Any, ...]] = []
 
 
 class OpPoisonedError(RuntimeError):
@@ -214,6 +220,7 @@ class LamportOp:
         self._check_mailbox_fits()  # before the first compile: a mailbox that cannot fit costs none
         self.spin = SpinGuard(self.tp, self._timeout_ms, self.device, self.rank)
         self._order = CallOrder(self.device)
+        self._order.on_first_capture = self._outlive_graphs
         self._publish_kernel = self._compile(KernelSpec(PUBLISH_KERNEL, self._publish_config))
         self._finalize_kernels: dict[torch.dtype, CompiledKernel] = {
             dtype: self._compile(KernelSpec(FINALIZE_PUBLISH_KERNEL, config))
@@ -627,7 +634,14 @@ class LamportOp:
     def close(self) -> None:
         """Free the mailbox (symmetric memory for a process group) and the op's buffers, once no
         kernel can still use them; idempotent, and every later call raises. Collective over the
-        group, like construction: every rank closes (a rank's peers store into its mailbox)."""
+        group, like construction: every rank closes (a rank's peers store into its mailbox).
+
+        CUDA graphs that captured the op may outlive it: close() first poisons the op on the device
+        (its stage state's error word), so a later replay runs kernels that touch no mailbox and
+        write NaN outputs, then frees the mailbox and keeps, for the life of the process, the few
+        small buffers such a replay still touches (stage state, destination table, error report,
+        events, GLM's hand-off rows). An op a graph captured is kept alive until close(), whatever
+        references the caller drops: garbage collection never frees memory a replay could write."""
         if self._closed:
             return
         if torch.cuda.is_current_stream_capturing():
@@ -642,15 +656,41 @@ class LamportOp:
         "_arrivals", "_order", "_side_work",
     )  # fmt: skip
 
+    def _outlive_graphs(self) -> None:
+        """The op's first call inside a CUDA-graph capture: keep the op alive until ``close()``."""
+        _CAPTURED[id(self)] = self
+
     def _release(self) -> None:
         """Drop every reference to device memory once the device (and, for a process group, every
-        rank) is done with it. A loopback group keeps its ranks' mailboxes until it is dropped."""
+        rank) is done with it. A loopback group keeps its ranks' mailboxes until it is dropped. An op
+        a graph captured is poisoned first (on every rank before the barrier) and leaves what its
+        replays touch in ``_RETIRED``."""
         torch.cuda.synchronize(self.device)
+        captured = _CAPTURED.pop(id(self), None) is not None
+        if captured and self.mailbox is not None:
+            self._poison_replays(self.mailbox.stage_state)
         self.group.barrier()
         library.unregister(self.handle)
+        if captured and self.mailbox is not None:
+            _RETIRED.append(self._replay_state(self.mailbox))
         for name in self._device_state:
             if hasattr(self, name):
                 setattr(self, name, None)
+
+    def _poison_replays(self, stage_state: torch.Tensor) -> None:
+        """Set both copies of the op's device error word: every kernel launched or replayed from now
+        on is poisoned (it polls, re-arms and stores into no mailbox, and writes NaN)."""
+        with torch.cuda.device(self.device):
+            stage_state[ERROR_WORD] = ERROR_CLOSED
+            stage_state[ERROR_COPY] = ERROR_CLOSED
+        torch.cuda.synchronize(self.device)
+
+    def _replay_state(self, mailbox: LamportMailbox) -> tuple[Any, ...]:
+        """What a poisoned replay of this op's kernels still reads or writes: everything but the
+        mailbox's memory (the order keeps only the stage state and destination table recorded)."""
+        self._order.keep_owned(mailbox.stage_state, mailbox.destinations)
+        kept = (name for name in self._device_state if name not in ("mailbox", "_programs"))
+        return (mailbox.stage_state, mailbox.destinations, self.spin, *(getattr(self, name, None) for name in kept))
 
     def __enter__(self) -> LamportOp:
         return self

@@ -148,7 +148,7 @@ class Program:
         device = [2 if self.device.type == "cuda" else 1, self.device.index or 0]
         self.native = native.library()["make_program"](
             [_encode_rule(rule) for rule in self.rules],
-            [[_dtype(rule.dtypes[0]), _shape(rule.shapes[0])] for rule in self.outputs],
+            [[_dtype(rule.dtypes[0]), _shape(rule.shapes[0]), self._aliases(rule)] for rule in self.outputs],
             launches,
             device,
             self.capacity,
@@ -158,6 +158,11 @@ class Program:
         self.no_outputs = (None,) * len(self.outputs)
         #: Whether a launch runs on the side stream (the op then passes its join and side events).
         self.has_side = any(launch.side for launch in self.launches)
+
+    def _aliases(self, output: TensorRule) -> list[int]:
+        """The indices of the parameters ``output`` may be exactly (in place), among this program's."""
+        names = [rule.name for rule in self.rules]
+        return [names.index(name) for name in output.aliases if name in names]
 
     def _encode_launch(self, launch: Launch, names: list[str]) -> list[Any]:
         unknown = set(launch.sources) - {param.name for param in launch.signature}

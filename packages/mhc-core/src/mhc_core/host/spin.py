@@ -15,6 +15,14 @@ on every rank (collectively).
 With the bound on, every collective also compares the M each rank published for its
 generation (``TokenCountError``, a ``ValueError``, on a mismatch).
 
+Which report wins: a failure (a timeout or unequal M: it poisons the op) is sticky on the device
+(the error word is never cleared) and on the host (``check()`` keeps it and raises it again on
+every later call). The finalize publish's route report (``check_routes=True``) poisons nothing and
+has words of its own: it never overwrites a failure's report, and raising it clears only its own
+words. With both pending, the failure is raised and its message names the route report too.
+Concurrent failures (several CTAs timing out at once) write the same words; the ranks missing are
+the union of theirs.
+
 The same bound covers a side-stream kernel's wait for a handed-off row
 (``mhc_core.device.handoff``, ``ERROR_HANDOFF_TIMEOUT``), with room for the producer's own
 wait: ``2 * limit + HANDOFF_SLACK_MS``.
@@ -31,20 +39,23 @@ the same setting (the M check writes and reads a header only when it is on).
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 
 from ..constants import (
+    ERROR_CLOSED,
     ERROR_CODE,
-    ERROR_DETAIL,
     ERROR_HANDOFF_TIMEOUT,
     ERROR_NONE,
     ERROR_RANKS,
-    ERROR_ROUTE_INDEX,
     ERROR_SPIN_TIMEOUT,
     ERROR_STAGE,
     ERROR_TOKEN,
     ERROR_TOKEN_COUNT,
+    ROUTE_CODE,
+    ROUTE_INDEX,
+    ROUTE_TOKEN,
 )
 
 SPIN_TIMEOUT_ENV = "MHC_SPIN_TIMEOUT_MS"
@@ -111,6 +122,35 @@ def resolve_timeout_ms(spin_timeout_ms: float | None) -> float | None:
     return float(spin_timeout_ms)
 
 
+class _ReportSlots:
+    """Pinned report words, each op's slot handed out once and never reused or freed: a kernel
+    queued (or captured in a CUDA graph) when its op is dropped may still write its report, and
+    must never write into memory the process has given to something else (issue #32). One
+    pinned chunk serves ``CHUNK_WORDS // SLOT_WORDS`` ops."""
+
+    CHUNK_WORDS = 1 << 14
+    SLOT_WORDS = 32  # 128 bytes: a report and up to 24 ranks
+
+    def __init__(self) -> None:
+        self._chunks: list[torch.Tensor] = []
+        self._next = self.CHUNK_WORDS
+        self._lock = threading.Lock()
+
+    def take(self, words: int) -> torch.Tensor:
+        """``words`` zeroed int32 words of a slot nobody else ever gets."""
+        if words > self.SLOT_WORDS:
+            raise ValueError(f"an error report of {words} words: expected at most {self.SLOT_WORDS}")
+        with self._lock:
+            if self._next + self.SLOT_WORDS > self.CHUNK_WORDS:
+                self._chunks.append(torch.zeros(self.CHUNK_WORDS, dtype=torch.int32, pin_memory=True))
+                self._next = 0
+            start, self._next = self._next, self._next + self.SLOT_WORDS
+            return self._chunks[-1][start : start + words]
+
+
+_REPORT_SLOTS = _ReportSlots()
+
+
 class SpinGuard:
     """The pinned error report of one op: ``[code, stage, token, detail, rank 0 .. tp-1]``
     (the kernels' sticky device word lives in the op's stage state)."""
@@ -124,34 +164,46 @@ class SpinGuard:
         self.handoff_limit_ns = 2 * self.limit_ns + int(HANDOFF_SLACK_MS * 1e6) if self.limit_ns else 0
         #: Whether publishes write, and collectives compare, every rank's M (the bound is on).
         self.checks_token_counts = bool(self.limit_ns) and tp > 1
-        # Pinned host memory is mapped into the device's address space under UVA:
-        # the kernels store into it at its host address.
-        self.flag = torch.zeros(ERROR_RANKS + tp, dtype=torch.int32, pin_memory=True)
+        # Pinned host memory is mapped into the device's address space under UVA: the kernels
+        # store into it at its host address. A slot of its own, never freed (``_REPORT_SLOTS``).
+        self.flag = _REPORT_SLOTS.take(ERROR_RANKS + tp)
         self.address = self.flag.data_ptr()
         self._words = self.flag.numpy()
         self.device = device
         self.failure: Exception | None = None
 
     def check(self) -> None:
-        """Raise what a kernel reported; after a failure, raise it again on every later call."""
+        """Raise what a kernel reported. A failure (a code that poisons the op: a timeout, unequal
+        M) wins over a route report, is never cleared and is raised again by every later call; a
+        route report alone is raised once, then its words are cleared (the op stays usable)."""
         if self.failure is not None:
             # The same class and attributes (missing_ranks, peer_m ...), without calling __init__.
             again = type(self.failure).__new__(type(self.failure))
             again.__dict__.update(self.failure.__dict__)
             again.args = (f"{self.failure.args[0]} (reported earlier)",)
             raise again from self.failure
-        code = int(self._words[ERROR_CODE])
-        if code == ERROR_NONE:
+        if self._words[ERROR_CODE] == ERROR_NONE and self._words[ROUTE_CODE] == ERROR_NONE:
             return
         if not torch.cuda.is_current_stream_capturing():
             # The reporting kernel has finished waiting; let it finish writing the report.
             torch.cuda.synchronize(self.device)
-        words = [int(w) for w in self._words]
-        self._words[:] = 0
-        error = self._decode(code, words)
-        if not isinstance(error, RouteIndexError):
-            self.failure = error
-        raise error
+        words = [int(w) for w in self._words]  # read after the sync: a failure may have come meanwhile
+        route = self._route_error(words) if words[ROUTE_CODE] != ERROR_NONE else None
+        if words[ERROR_CODE] != ERROR_NONE:
+            failure = self._decode(words[ERROR_CODE], words)
+            if route is not None:
+                failure.args = (f"{failure.args[0]} (a route report was pending too: {route})",)
+            self.failure = failure
+            raise failure
+        self._words[ROUTE_CODE : ROUTE_INDEX + 1] = 0
+        assert route is not None
+        raise route
+
+    def _route_error(self, words: list[int]) -> RouteIndexError:
+        return RouteIndexError(
+            f"expanded_idx_to_permuted_idx: token {words[ROUTE_TOKEN]}, route {words[ROUTE_INDEX]} "
+            "held an index outside [-1, rows); that route was dropped"
+        )
 
     def _decode(self, code: int, words: list[int]) -> Exception:
         rebuild = "the op is unusable: rebuild it on every rank"
@@ -183,9 +235,6 @@ class SpinGuard:
                 m=m,
                 peer_m=peers,
             )
-        if code == ERROR_ROUTE_INDEX:
-            return RouteIndexError(
-                f"expanded_idx_to_permuted_idx: token {words[ERROR_TOKEN]}, route {words[ERROR_DETAIL]} "
-                "held an index outside [-1, rows); that route was dropped"
-            )
+        if code == ERROR_CLOSED:
+            return RuntimeError(f"rank {self.rank}: the op was closed: build a new op (collectively) to call it again")
         return RuntimeError(f"unknown device error code {code}; {rebuild}")

@@ -23,7 +23,7 @@ No event is queried or synchronised here: both are illegal while any stream capt
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -80,9 +80,15 @@ class CallOrder:
         self.stream: torch.cuda.Stream | None = None
         self.capture = 0
         self.in_call = False
+        #: Called once, at the op's first call inside a capture (the op then outlives its graphs).
+        self.on_first_capture: Callable[[], None] | None = None
 
     def own(self, *tensors: torch.Tensor) -> None:
         self._owned.extend(tensors)
+
+    def keep_owned(self, *tensors: torch.Tensor) -> None:
+        """Own only ``tensors`` from now on (a closed op lets the rest go)."""
+        self._owned = [tensor for tensor in self._owned if any(tensor is kept for kept in tensors)]
 
     def current(self) -> tuple[torch.cuda.Stream, int]:
         """The current stream and its capture id; the previous eager call's stream object when it
@@ -102,6 +108,9 @@ class CallOrder:
             # The common eager case, a call on the stream of the previous one: nothing to order.
             self.stream, self.capture = stream, 0
             return 0
+        if capture and self.on_first_capture is not None:
+            hook, self.on_first_capture = self.on_first_capture, None
+            hook()
         captured = self._captured
         if capture and captured is not None and captured.capture == capture:
             if captured.stream != stream:

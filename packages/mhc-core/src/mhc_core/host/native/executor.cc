@@ -11,7 +11,9 @@
 //
 //   1. every parameter is checked (dtype, shape with the token count M / MoE rows bound from
 //      their leading extents, device, contiguity as torch defines it, alignment; scalars normal
-//      FP32 values > 0). Nothing is launched before all pass. A failing call raises a
+//      FP32 values > 0), and the outputs' memory against the parameters' and each other's: an
+//      output may be one of the parameters its rule names (the same bytes exactly: in place),
+//      and overlaps nothing else. Nothing is launched before all pass. A failing call raises a
 //      ValueError whose message starts "mhc-invalid"; the Python side then runs the same rules
 //      with the project's messages (`mhc_core.host.calls.check_call`), so the rules live in one
 //      declaration and the messages in one place;
@@ -71,6 +73,7 @@ struct Rule {
   int64_t align = 16;  // 0: the dtype's size
   bool binds_m = false;
   bool binds_rows = false;
+  std::vector<int64_t> aliases;  // an output's: the parameters it may be exactly (in place)
 };
 
 struct Arg {
@@ -186,6 +189,20 @@ void check_tensor(int index, const DLTensor* t, const Rule& rule, const DLDevice
 
 std::optional<DLTensor*> as_tensor(const ffi::AnyView& value) { return value.try_cast<DLTensor*>(); }
 
+// The bytes a checked (contiguous) tensor spans: [first, last).
+struct Span {
+  uintptr_t first, last;
+  bool overlaps(const Span& other) const { return first < other.last && other.first < last; }
+  bool operator==(const Span& other) const { return first == other.first && last == other.last; }
+};
+
+Span span(const DLTensor* t) {
+  int64_t elements = 1;
+  for (int d = 0; d < t->ndim; ++d) elements *= t->shape[d];
+  uintptr_t first = reinterpret_cast<uintptr_t>(t->data) + t->byte_offset;
+  return Span{first, first + static_cast<uintptr_t>(elements * ((t->dtype.bits * t->dtype.lanes + 7) / 8))};
+}
+
 // ------------------------------------------------------------------------------ the call
 struct Call {
   const Program& program;
@@ -249,6 +266,27 @@ struct Call {
       if (!tensor) reject(index, "not a tensor");
       check_tensor(index, *tensor, program.outputs[o], program.device, m, rows);
       tensors[n_rules + o] = *tensor;
+    }
+    check_overlaps(n_rules);
+  }
+
+  // Each given output overlaps no parameter but one its rule names, and then exactly, and no
+  // other output.
+  void check_overlaps(size_t n_rules) const {
+    for (size_t o = 0; o < program.outputs.size(); ++o) {
+      const DLTensor* out = tensors[n_rules + o];
+      if (out == nullptr) continue;
+      const Span mine = span(out);
+      if (mine.first == mine.last) continue;
+      const std::vector<int64_t>& aliases = program.outputs[o].aliases;
+      for (size_t i = 0; i < n_rules + o; ++i) {  // the parameters, then the outputs before this one
+        if (tensors[i] == nullptr) continue;
+        const Span theirs = span(tensors[i]);
+        if (!mine.overlaps(theirs)) continue;
+        bool in_place = false;
+        for (int64_t alias : aliases) in_place = in_place || static_cast<size_t>(alias) == i;
+        if (!(in_place && mine == theirs)) reject(static_cast<int>(n_rules + o), "overlap");
+      }
     }
   }
 
@@ -314,7 +352,7 @@ DLDataType to_dtype(const ffi::Array<int64_t>& code_bits) {
 std::vector<int64_t> to_shape(const ffi::Array<int64_t>& dims) { return std::vector<int64_t>(dims.begin(), dims.end()); }
 
 // `rules`: [tensor?, align, binds_m?, binds_rows?, [[code, bits] ...], [[dim ...] ...]] per parameter.
-// `outputs`: [[code, bits], [dim ...]] per output. `launches`: [stream, [min_tokens ...],
+// `outputs`: [[code, bits], [dim ...], [parameter it may alias ...]] per output. `launches`: [stream, [min_tokens ...],
 // [function ...], [[source, index, fixed] ...]] per launch. `device`: [device_type, device_id].
 // `events`: [side_stream, fork_event, done_event] (raw handles; 0: none).
 ffi::Function make_program(ffi::Array<ffi::Array<ffi::Any>> rules, ffi::Array<ffi::Array<ffi::Any>> outputs,
@@ -335,6 +373,7 @@ ffi::Function make_program(ffi::Array<ffi::Array<ffi::Any>> rules, ffi::Array<ff
     Rule rule;
     rule.dtypes = {to_dtype(o[0].cast<ffi::Array<int64_t>>())};
     rule.shapes = {to_shape(o[1].cast<ffi::Array<int64_t>>())};
+    rule.aliases = to_shape(o[2].cast<ffi::Array<int64_t>>());
     program->outputs.push_back(std::move(rule));
   }
   for (const auto& l : launches) {
