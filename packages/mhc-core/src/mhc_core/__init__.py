@@ -13,9 +13,13 @@ name is first used (``mhc_core.LamportAllReduce``, ...), so pure-Python parts
 from __future__ import annotations
 
 import importlib
-from typing import Any
+import logging
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.6.0"
+
+# A library's logger: silent unless the application configures logging (no "No handlers" fallback).
+logging.getLogger("mhc").addHandler(logging.NullHandler())
 
 _EXPORTS = {
     "LamportAllReduce": "host.allreduce",
@@ -36,18 +40,58 @@ _EXPORTS = {
     "compile_kernel": "host.compiler",
     "device_arch": "host.compiler",
     "is_supported": "host.support",
+    "device_problem": "host.support",
+    "FusedSupport": "host.fallback",
+    "check_fused_support": "host.fallback",
 }
 
-__all__ = ["__version__", *_EXPORTS]
+#: Spelled out (not built from ``_EXPORTS``): what linters and type checkers read.
+__all__ = [
+    "FusedSupport",
+    "LamportAllReduce",
+    "LamportMailbox",
+    "LamportOp",
+    "LamportTimeoutError",
+    "LoopbackGroup",
+    "LoopbackRank",
+    "MoEOutput",
+    "OpPoisonedError",
+    "Plan",
+    "RouteIndexError",
+    "SpinGuard",
+    "TokenCountError",
+    "__version__",
+    "check_fused_support",
+    "close_lamport_all_reduce",
+    "compile_kernel",
+    "device_arch",
+    "device_problem",
+    "is_supported",
+    "lamport_all_reduce",
+    "run_ranks",
+]
+
+if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ loads each on first use
+    from .host.allreduce import LamportAllReduce, close_lamport_all_reduce, lamport_all_reduce
+    from .host.compiler import compile_kernel, device_arch
+    from .host.fallback import FusedSupport, check_fused_support
+    from .host.groups import LoopbackGroup, LoopbackRank, run_ranks
+    from .host.mailbox import LamportMailbox
+    from .host.moe import MoEOutput
+    from .host.op import LamportOp, OpPoisonedError, Plan
+    from .host.spin import LamportTimeoutError, RouteIndexError, SpinGuard, TokenCountError
+    from .host.support import device_problem, is_supported
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mhc_core' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+if not TYPE_CHECKING:  # hidden from type checkers: a module __getattr__ would make every name Any
+
+    def __getattr__(name: str) -> Any:
+        module = _EXPORTS.get(name)
+        if module is None:
+            raise AttributeError(f"module 'mhc_core' has no attribute {name!r}")
+        value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+        globals()[name] = value
+        return value
 
 
 def __dir__() -> list[str]:

@@ -39,5 +39,7 @@ if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ loads each 
     from .op import AllReduceMhcBoundary
 
 
-def __getattr__(name: str) -> Any:
-    return model_attribute(__name__, globals(), name, "AllReduceMhcBoundary")
+if not TYPE_CHECKING:  # hidden from type checkers: a module __getattr__ would make every name Any
+
+    def __getattr__(name: str) -> Any:
+        return model_attribute(__name__, globals(), name, "AllReduceMhcBoundary")

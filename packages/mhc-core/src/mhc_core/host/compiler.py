@@ -44,15 +44,13 @@ LOG = logging.getLogger("mhc")
 
 
 def device_arch(device: torch.device | int | str | None = None) -> str:
-    """The arch string this project compiles for on ``device``."""
-    capability = torch.cuda.get_device_capability(device)
-    try:
-        return ARCH_BY_CAPABILITY[capability]
-    except KeyError:
-        raise RuntimeError(
-            f"unsupported GPU: compute capability {capability[0]}.{capability[1]}; "
-            f"mhc-kernels targets {', '.join(SUPPORTED_ARCHS)}"
-        ) from None
+    """The arch string this project compiles for on ``device``. A CPU-only torch, no visible GPU
+    or an unsupported arch raise RuntimeError saying which (``mhc_core.host.support``): an op asks
+    this before it touches the device."""
+    from .support import require_device
+
+    require_device(device)
+    return ARCH_BY_CAPABILITY[tuple(torch.cuda.get_device_capability(device))]
 
 
 def check_arch(arch: str) -> str:

@@ -276,11 +276,16 @@ def _holding_locks(ops: Sequence[Any], run: Callable[[], list[Any]]) -> list[Any
 
 
 def normalize_device(device: torch.device | str | int) -> torch.device:
-    """A CUDA device with an explicit index (``"cuda"`` means the current one)."""
-    device = torch.device(device)
+    """A CUDA device with an explicit index (``"cuda"`` means the current one). Resolving the current
+    device is the first CUDA query: where it cannot be made (a CPU-only torch, no visible GPU) a
+    RuntimeError says which (``mhc_core.host.support``) instead of torch's AssertionError."""
+    from .support import as_device, require_device
+
+    device = as_device(device)
     if device.type != "cuda":
         raise ValueError(f"device: expected a CUDA device, got {device}")
     if device.index is None:
+        require_device(device)
         device = torch.device("cuda", torch.cuda.current_device())
     return device
 
