@@ -115,8 +115,8 @@ def test_a_shipped_kernel_loads_instead_of_compiling(exported, monkeypatch: pyte
 
 def test_a_manifests_recorded_sources_stand_in_for_the_import_walk(exported, monkeypatch: pytest.MonkeyPatch) -> None:
     """A manifest records, per kernel module, the modules its source hash covered and the digest.
-    While their texts hash to it, ``source_hash`` returns it without walking (parsing) the imports;
-    a text that changed since (here: a different recorded digest) falls back to the walk."""
+    While their texts are as recorded, ``source_hash`` returns it without walking (parsing) the
+    imports; a text that changed since falls back to the walk."""
     import json
 
     from mhc_core.host import artifacts
@@ -128,7 +128,12 @@ def test_a_manifests_recorded_sources_stand_in_for_the_import_walk(exported, mon
         walked[module] = artifacts._digest(artifacts.hashed_sources(module))
         assert entry["source"] == walked[module]
         covered = sorted(artifacts.hashed_sources(module))
-        assert payload["sources"][module] == {"digest": walked[module], "modules": covered}
+        recorded = payload["sources"][module]
+        assert (recorded["digest"], recorded["modules"], sorted(recorded["texts"])) == (
+            walked[module],
+            covered,
+            covered,
+        )
 
     def refuse(module: str) -> dict[str, bytes]:
         raise AssertionError(f"the imports of {module} were walked")
@@ -144,7 +149,7 @@ def test_a_manifests_recorded_sources_stand_in_for_the_import_walk(exported, mon
             patch.setattr(artifacts, "hashed_sources", refuse)
             assert {module: artifacts.source_hash(module) for module in walked} == walked
         for source in payload["sources"].values():
-            source["digest"] = "0" * 64  # as if a module's text had changed since the export
+            source["texts"] = dict.fromkeys(source["texts"], "0" * 64)  # as if every text had changed since
         clear()
         assert {module: artifacts.source_hash(module) for module in walked} == walked
     finally:

@@ -2,8 +2,12 @@
 loading one without compiling.
 
 A kernel's **key** is everything its binary depends on: the kernel class (``package.module:Class``),
-its config, the arch, the DSL release, the calling convention and a hash of the source of every
-project module the kernel's module imports, transitively (read as text: nothing is imported).
+its config, the arch, the DSL release, the calling convention and a hash of the code of every
+project module the kernel's module imports, transitively (parsed: nothing is imported). The hash
+covers each module's normal form, ``ast.dump`` of its syntax tree without docstrings: comments,
+docstrings and formatting do not change a key, so a harmless edit of an installed module keeps its
+shipped kernels; any change of code does, and the warning (or the error of a host without the
+compiler) names the modules whose code changed since the kernels were built (``changed_sources``).
 Its **symbol**, ``mhc_<hash of the key>``, names it in the shared library it is exported to.
 
 A kernel compiled on this host (a configuration no wheel ships) is exported the same way into the
@@ -28,10 +32,11 @@ one ``lib<package>_<arch>.so`` (every preset kernel of that arch, TVM-FFI entry 
 ``manifest.json`` listing each kernel's key, symbol and signature (what the host binds its
 arguments by: ``mhc_core.device.signature.to_json``), the library's size and sha256 (checked once
 per process before it is loaded; a manifest from before they were recorded is trusted as
-installed), and per kernel module the modules its source hash covers (``sources``: a process whose
-sources match them hashes texts, parses none). ``lookup`` finds a key in the manifests of the
-installed model packages; a manifest that does not parse or validate is skipped with one warning
-naming it, and the other packages' manifests still count. ``load`` opens the library through
+installed), and per kernel module the modules its source hash covers (``sources``: their names,
+each one's normal form's and raw text's sha256; a process whose texts match them parses none).
+``lookup`` finds a key in the manifests of the installed model packages; a manifest that does not
+parse or validate is skipped with one warning naming it, and the other packages' manifests still
+count. ``load`` opens the library through
 ``tvm_ffi`` alone. Loading needs the DSL's runtime library (``libcute_dsl_runtime.so``, in
 the DSL's libs package), which ``load`` maps first, and never the compiler. A different DSL
 release, arch, convention or source is a different key: a stale or foreign library is never loaded.
@@ -143,22 +148,42 @@ def _type_checking_only(tree: ast.AST) -> set[int]:
     return skipped
 
 
+def _without_docstrings(tree: ast.AST) -> ast.AST:
+    """``tree`` with the docstring of its module, classes and functions removed (in place); a body
+    left empty gets ``pass``, as the code would need."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            first = body[0].value if body and isinstance(body[0], ast.Expr) else None
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                node.body = body[1:] or [ast.Pass()]
+    return tree
+
+
+def normal_form(tree: ast.AST) -> bytes:
+    """What a kernel's key hashes of a module: its syntax tree without docstrings, positions or
+    comments (``ast.dump``). Formatting, comments and docstrings leave it as it is."""
+    return ast.dump(_without_docstrings(tree), include_attributes=False).encode()
+
+
 @functools.cache
-def _module_source(module: str) -> tuple[bytes, tuple[str, ...]] | None:
-    """``module``'s text and project imports, read and parsed once per process (the kernels of one
-    op share most of their device modules). None for an attribute imported from a module."""
+def _module_source(module: str) -> tuple[bytes, tuple[str, ...], str] | None:
+    """``module``'s normal form, project imports and raw text's sha256, read and parsed once per
+    process (the kernels of one op share most of their device modules). None for an attribute
+    imported from a module."""
     path = _module_file(module)
     if path is None:
         return None
     text = path.read_bytes()
-    return text, tuple(_imports(module, path, text))
-
-
-def _imports(module: str, path: Path, text: bytes) -> Iterator[str]:
-    """The project modules ``module`` (``text``, at ``path``) imports when it runs, as absolute
-    names (function-local imports included; ``if TYPE_CHECKING:`` blocks not)."""
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     tree = ast.parse(text, str(path))
+    imports = tuple(_imports(module, path, tree))
+    return normal_form(tree), imports, hashlib.sha256(text).hexdigest()
+
+
+def _imports(module: str, path: Path, tree: ast.AST) -> Iterator[str]:
+    """The project modules ``module`` (parsed into ``tree``, from ``path``) imports when it runs, as
+    absolute names (function-local imports included; ``if TYPE_CHECKING:`` blocks not)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     skipped = _type_checking_only(tree)
     for node in ast.walk(tree):
         if id(node) in skipped:
@@ -180,8 +205,8 @@ def _imports(module: str, path: Path, text: bytes) -> Iterator[str]:
 
 
 def hashed_sources(module: str) -> dict[str, bytes]:
-    """``module`` and every project module it imports when it runs, transitively: name -> text
-    (what its ``source_hash`` covers)."""
+    """``module`` and every project module it imports when it runs, transitively: name -> normal
+    form (what its ``source_hash`` covers)."""
     seen: dict[str, bytes] = {}
     pending = [module]
     while pending:
@@ -191,46 +216,62 @@ def hashed_sources(module: str) -> dict[str, bytes]:
         found = _module_source(name)
         if found is None:
             continue
-        seen[name], imports = found
+        seen[name], imports, _ = found
         pending.extend(imports)
     return seen
 
 
-def _digest(texts: dict[str, bytes]) -> str:
+def _digest(forms: dict[str, bytes]) -> str:
     digest = hashlib.sha256()
-    for name in sorted(texts):
-        digest.update(name.encode() + b"\0" + texts[name] + b"\0")
+    for name in sorted(forms):
+        digest.update(name.encode() + b"\0" + forms[name] + b"\0")
     return digest.hexdigest()
 
 
-def _texts(modules: Iterable[str]) -> dict[str, bytes] | None:
-    """The texts of ``modules`` as they are now (None once one is gone): read, not parsed."""
-    texts = {}
+def _text_digests(modules: Iterable[str]) -> dict[str, str] | None:
+    """The sha256 of the raw text of each of ``modules`` as it is now (None once one is gone): read,
+    not parsed."""
+    digests = {}
     for name in modules:
         path = _module_file(name)
         if path is None:
             return None
         try:
-            texts[name] = path.read_bytes()
+            digests[name] = hashlib.sha256(path.read_bytes()).hexdigest()
         except OSError:
             return None
-    return texts
+    return digests
 
 
 @functools.cache
 def source_hash(module: str) -> str:
-    """sha256 over the text of ``module`` and every project module it imports, transitively.
+    """sha256 over the normal form of ``module`` and of every project module it imports, transitively.
 
-    A manifest records, per kernel module, the modules its hash covered (``sources``). Their texts
-    alone decide which modules the walk reaches (each module's imports are read from its own
-    text), so when those texts hash to the recorded digest the walk would reach the same modules
-    and give that digest: it is returned without parsing anything (parsing ~30 modules was most of
-    a preset op's construction: 0.1 s on the H200 host). Any changed text misses, and the walk runs."""
-    for modules, recorded in _recorded_sources().get(module, ()):
-        texts = _texts(modules)
-        if texts is not None and _digest(texts) == recorded:
-            return recorded
+    A manifest records, per kernel module, the modules its hash covered and each one's raw text's
+    sha256 (``sources``). Their texts alone decide which modules the walk reaches and what it
+    hashes, so when every text is as recorded the walk would give the recorded digest: it is
+    returned without parsing anything (parsing ~30 modules was most of a preset op's construction:
+    0.1 s on the H200 host). A text that changed (a comment added, say) misses, and the walk runs:
+    if only comments, docstrings or formatting changed, it gives the recorded digest all the same."""
+    for recorded in _recorded_sources().get(module, ()):
+        if recorded.texts and _text_digests(recorded.modules) == recorded.texts:
+            return recorded.digest
     return _digest(hashed_sources(module))
+
+
+def changed_sources(module: str) -> list[str]:
+    """The project modules whose code changed since the installed kernels of kernel module ``module``
+    were built, each with what happened (``changed``, ``new``, ``gone``); [] when their code is as
+    recorded, or no manifest records it (comments, docstrings and formatting are no change)."""
+    recorded = [entry for entry in _recorded_sources().get(module, ()) if entry.forms]
+    if not recorded or any(entry.digest == source_hash(module) for entry in recorded):
+        return []
+    now = {name: hashlib.sha256(form).hexdigest() for name, form in hashed_sources(module).items()}
+    then = recorded[0].forms
+    changes = [f"{name} (changed)" for name in sorted(now.keys() & then.keys()) if now[name] != then[name]]
+    changes += [f"{name} (new)" for name in sorted(now.keys() - then.keys())]
+    changes += [f"{name} (gone)" for name in sorted(then.keys() - now.keys())]
+    return changes
 
 
 def kernel_key(kernel: Any, arch: str, convention: str) -> KernelKey:
@@ -293,8 +334,13 @@ def write_manifest(
     modules = sorted({entry["kernel"].partition(":")[0] for entry in entries})
     sources = {}
     for module in modules:
-        texts = hashed_sources(module)
-        sources[module] = {"digest": _digest(texts), "modules": sorted(texts)}
+        forms = hashed_sources(module)
+        sources[module] = {
+            "digest": _digest(forms),
+            "modules": sorted(forms),
+            "forms": {name: hashlib.sha256(form).hexdigest() for name, form in sorted(forms.items())},
+            "texts": _text_digests(sorted(forms)),
+        }
     size, sha256 = cache_files.file_digest(folder / library)
     payload = {
         "format": FORMAT, "package": package, "arch": arch, "library": library, "size": size, "sha256": sha256,
@@ -338,6 +384,12 @@ def _check_manifest(payload: Any) -> None:
     for module, source in sources.items():
         if not (_is_module(module) and isinstance(source["digest"], str) and all(map(_is_module, source["modules"]))):
             raise _Invalid(f"its sources of {module!r} are malformed")
+        for field in ("forms", "texts"):  # optional: manifests before issue #34 have neither
+            digests = source.get(field, {})
+            if not (isinstance(digests, dict) and all(map(_is_module, digests))):
+                raise _Invalid(f"its sources' {field} of {module!r} are malformed")
+            if not all(isinstance(value, str) and len(value) == 64 for value in digests.values()):
+                raise _Invalid(f"its sources' {field} of {module!r} are malformed")
 
 
 def _is_digest(size: Any, sha256: Any) -> bool:
@@ -411,13 +463,26 @@ def _index() -> dict[str, Found]:
     return index
 
 
+@dataclass(frozen=True)
+class RecordedSources:
+    """What a manifest recorded of one kernel module's source hash: the digest, the modules it
+    covered, and per module the sha256 of its normal form (``forms``) and raw text (``texts``)."""
+
+    digest: str
+    modules: tuple[str, ...]
+    forms: dict[str, str]
+    texts: dict[str, str]
+
+
 @functools.cache
-def _recorded_sources() -> dict[str, list[tuple[tuple[str, ...], str]]]:
-    """kernel module -> (modules its hash covered, digest), from every manifest that records them."""
-    recorded: dict[str, list[tuple[tuple[str, ...], str]]] = {}
+def _recorded_sources() -> dict[str, list[RecordedSources]]:
+    """kernel module -> what each manifest that records it recorded (``RecordedSources``)."""
+    recorded: dict[str, list[RecordedSources]] = {}
     for _, payload in _payloads():
         for module, source in payload.get("sources", {}).items():
-            entry = (tuple(source["modules"]), source["digest"])
+            entry = RecordedSources(
+                source["digest"], tuple(source["modules"]), dict(source.get("forms", {})), dict(source.get("texts", {}))
+            )
             if entry not in recorded.setdefault(module, []):
                 recorded[module].append(entry)
     return recorded

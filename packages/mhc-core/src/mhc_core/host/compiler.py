@@ -228,13 +228,39 @@ def _compile(kernel: DeviceKernel | None, spec: KernelSpec, arch: str, inspect: 
 
 
 def _skipped_note(spec: KernelSpec, arch: str) -> str:
-    """Names the shipped or cached file this process skipped for the kernel, if one was."""
+    """Names the shipped or cached file this process skipped for the kernel, if one was, and the
+    modules whose code changed since the installed kernels were built, if any did."""
     from . import artifacts
 
     if not artifacts.enabled():
         return ""
     skipped = artifacts.skipped(artifacts.kernel_key(spec, arch, CALLING_CONVENTION))
-    return f"; the file that had it was skipped: {skipped}" if skipped else ""
+    note = f"; the file that had it was skipped: {skipped}" if skipped else ""
+    changed = artifacts.changed_sources(spec.path.partition(":")[0])
+    if changed:
+        note += f"; the installed kernels were built from other code: {', '.join(changed)}"
+    return note
+
+
+_WARNED_CHANGED: set[str] = set()
+
+
+def _warn_changed_sources(spec: KernelSpec) -> None:
+    """Once per kernel module: the installed kernels do not match its code, and which modules changed."""
+    from . import artifacts
+
+    module = spec.path.partition(":")[0]
+    if module in _WARNED_CHANGED:
+        return
+    _WARNED_CHANGED.add(module)
+    changed = artifacts.changed_sources(module)
+    if changed:
+        LOG.warning(
+            "the installed kernels of %s were built from other code than this installation's: %s "
+            "(comments, docstrings and formatting do not count); its kernels are compiled instead",
+            module,
+            ", ".join(changed),
+        )
 
 
 def _load_shipped(spec: KernelSpec, arch: str) -> CompiledKernel | None:
@@ -244,6 +270,7 @@ def _load_shipped(spec: KernelSpec, arch: str) -> CompiledKernel | None:
     full_key = artifacts.kernel_key(spec, arch, CALLING_CONVENTION)
     found = artifacts.lookup(full_key) or artifacts.cached(full_key)
     if found is None:
+        _warn_changed_sources(spec)
         return None
     start = time.perf_counter()
     try:
