@@ -5,6 +5,7 @@ checked bit for bit (against the reference, or against a serial call of the same
 * Threads: two Python threads, each on its own stream, call one op many times (tp 1: the plain
   all-reduce, GLM's boundary with its join; loopback tp 2/4/8: ``run_ranks``). Unserialised, the
   native calls (which release the GIL) interleaved their launches: wrong results and timeouts.
+  And GLM's joins from two streams: one stream's join no longer ends the other's side work.
 * Interrupts: a ``KeyboardInterrupt`` before a call's launch changes nothing; after it, the op
   poisons itself: every later call raises, nothing is launched twice, nothing hangs, and what the
   interrupted call launched completes correctly.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -74,23 +76,36 @@ def test_two_threads_share_one_all_reduce_each_on_its_own_stream() -> None:
     op.check()  # no timeout either
 
 
+def moe_input(op: Any, m: int, generator: torch.Generator) -> Any:
+    """An unfinalized MoE output for ``op`` (its top_k; every route taken, FP32 weights)."""
+    from mhc_core import MoEOutput
+
+    rows = m * op.top_k
+    index = torch.randperm(rows, generator=generator, device="cuda").to(torch.int32).view(m, op.top_k)
+    weights = torch.rand(m, op.top_k, generator=generator, device="cuda")
+    gemm2 = bf16_randn(rows, op.hidden_size, generator=generator)
+    return MoEOutput(gemm2, weights, index, bf16_randn(m, op.hidden_size, generator=generator))
+
+
 def test_two_threads_share_one_glm_boundary_and_join_on_their_own_streams() -> None:
-    """GLM's side stream: each thread's join() must cover its own call's post_out / comb_out,
-    whichever thread's call or join came in between."""
+    """GLM at tp 1: one thread's calls take the direct path (one launch), the other's MoE input (a
+    finalize publish, then the boundary); each joins on its own stream. Every call's outputs, the
+    side stream's post_out / comb_out included, must be a serial call's, bit for bit."""
     [op] = glm_ops(GLM_PRESET, CAPACITY, spin_timeout_ms=SPIN_MS)
     generator = torch.Generator("cuda").manual_seed(33)
     cases = [GLM.case([op], m, generator) for m in (3, CAPACITY)]
+    inputs = [GLM.rank_args(cases[0], 0), (moe_input(op, CAPACITY, generator), *GLM.rank_args(cases[1], 0)[1:])]
     references = []
-    for case in cases:  # one serial call each: the outputs every threaded call must reproduce
-        outputs = GLM.call_rank(op, case, 0, None)
-        torch.cuda.synchronize()
-        references.append([tensor.clone() for tensor in outputs])
+    for args in inputs:  # one serial call each: the outputs every threaded call must reproduce
+        references.append([tensor.clone() for tensor in op(*args)])
+        op.join()
+    torch.cuda.synchronize()
 
     def calls(thread: int) -> Callable[[torch.cuda.Stream], int]:
         def body(stream: torch.cuda.Stream) -> int:
             wrong = torch.zeros((), dtype=torch.int64, device="cuda")
-            for _ in range(300):
-                outputs = op(*GLM.rank_args(cases[thread], 0))
+            for _ in range(500):
+                outputs = op(*inputs[thread])
                 op.join()
                 for actual, expected in zip(outputs, references[thread], strict=True):
                     wrong += mismatches(actual, expected)
@@ -101,6 +116,34 @@ def test_two_threads_share_one_glm_boundary_and_join_on_their_own_streams() -> N
     run_threads(on_own_stream(calls(0)), on_own_stream(calls(1)))
     torch.cuda.synchronize()
     op.check()
+
+
+def test_a_join_on_another_stream_does_not_end_the_side_work_of_this_one() -> None:
+    """Calls on streams A then B, joins on A then B (what two threads do): A's join cleared the op's
+    pending side work, so B's join waited for nothing and B read post_out / comb_out before its
+    mixes kernel wrote them. The side stream sleeps before each mixes kernel, so that kernel is late."""
+    [op] = glm_ops(GLM_PRESET, CAPACITY, spin_timeout_ms=SPIN_MS)
+    generator = torch.Generator("cuda").manual_seed(35)
+    cases = [GLM.case([op], CAPACITY, generator) for _ in range(2)]
+    expected = [[tensor.clone() for tensor in GLM.call_rank(op, case, 0, None)] for case in cases]
+    outs = [GLM.outputs([op], CAPACITY)[0] for _ in cases]
+    cycles = sleep_cycles(200.0)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    torch.cuda.synchronize()
+    for stream, case, out in zip(streams, cases, outs, strict=True):
+        with torch.cuda.stream(op.side_stream):
+            torch.cuda._sleep(cycles)  # before this call's mixes kernel
+        with torch.cuda.stream(stream):
+            op(*GLM.rank_args(case, 0), out=out)
+    seen = []
+    for stream, out in zip(streams, outs, strict=True):
+        with torch.cuda.stream(stream):
+            op.join()
+            seen.append([tensor.clone() for tensor in out])  # what this stream reads right after its join
+    torch.cuda.synchronize()
+    for call, (copies, wanted) in enumerate(zip(seen, expected, strict=True)):
+        for name, actual, reference in zip(GLM.names, copies, wanted, strict=True):
+            assert_bitwise_equal(actual, reference, f"call {call} {name}")
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
