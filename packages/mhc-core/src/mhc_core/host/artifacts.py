@@ -680,25 +680,72 @@ def persist(key: KernelKey, compiled: Any, signature: Signature) -> Path | None:
         return None
 
 
-def runtime_library() -> Path | None:
-    """The DSL's runtime library, located without importing the DSL (the newest CUDA flavour)."""
-    spec = importlib.util.find_spec("nvidia_cutlass_dsl")
-    if spec is None or not spec.submodule_search_locations:
+#: The DSL runtime's CUDA flavours, newest first, with the CUDA major each needs of the driver.
+RUNTIME_FLAVOURS = (("cu13", 13), ("cu12", 12))
+
+
+class MissingRuntime(RuntimeError):
+    """No DSL runtime library this driver can run is installed."""
+
+
+def driver_cuda_major() -> int | None:
+    """The CUDA major version the installed driver supports (``cuDriverGetVersion``), or None where
+    there is no driver to ask (a CPU host: then every flavour counts)."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+        version = ctypes.c_int(0)
+        if driver.cuDriverGetVersion(ctypes.byref(version)) != 0:
+            return None
+    except (OSError, AttributeError):
         return None
-    for flavour in ("cu13", "cu12"):
-        for location in spec.submodule_search_locations:
+    return version.value // 1000
+
+
+def runtime_libraries() -> dict[str, Path]:
+    """flavour -> the DSL's runtime library of every installed flavour, found without importing the DSL."""
+    spec = importlib.util.find_spec("nvidia_cutlass_dsl")
+    locations = list(spec.submodule_search_locations or ()) if spec is not None else []
+    found: dict[str, Path] = {}
+    for flavour, _ in RUNTIME_FLAVOURS:
+        for location in locations:
             path = Path(location, flavour, "lib", "libcute_dsl_runtime.so")
-            if path.exists():
-                return path
+            if path.exists() and flavour not in found:
+                found[flavour] = path
+    return found
+
+
+def runtime_library(driver_major: int | None = None) -> Path | None:
+    """The DSL's runtime library to load: the newest installed flavour the driver runs (a CUDA 13
+    runtime needs a CUDA 13 driver; with cu12 and cu13 both installed a CUDA 12 driver gets cu12).
+    ``driver_major`` None: asked of the driver; where none answers, the newest installed."""
+    installed = runtime_libraries()
+    driver_major = driver_cuda_major() if driver_major is None else driver_major
+    for flavour, needs in RUNTIME_FLAVOURS:
+        if flavour in installed and (driver_major is None or driver_major >= needs):
+            return installed[flavour]
     return None
+
+
+def missing_runtime_message(driver_major: int | None = None) -> str:
+    """What to install when ``runtime_library`` finds none."""
+    installed = ", ".join(runtime_libraries()) or "none"
+    driver = f"a CUDA {driver_major} driver" if driver_major is not None else "this host"
+    extra = "cu13" if driver_major is None or driver_major >= 13 else "cu12"
+    return (
+        f"the CuTe DSL runtime library (libcute_dsl_runtime.so) that shipped kernels need is not installed "
+        f"for {driver} (installed flavours: {installed}): pip install 'mhc-core[{extra}]' "
+        "([cu13] for a CUDA 13 driver, [cu12] for a CUDA 12 one)"
+    )
 
 
 @functools.cache
 def _module(library: Path) -> Any:
-    runtime = runtime_library()
-    if runtime is not None:
-        # Satisfies the library's NEEDED entry by soname; libtvm_ffi is global once tvm_ffi is imported.
-        ctypes.CDLL(str(runtime), mode=ctypes.RTLD_GLOBAL)
+    driver_major = driver_cuda_major()
+    runtime = runtime_library(driver_major)
+    if runtime is None:
+        raise MissingRuntime(missing_runtime_message(driver_major))
+    # Satisfies the library's NEEDED entry by soname; libtvm_ffi is global once tvm_ffi is imported.
+    ctypes.CDLL(str(runtime), mode=ctypes.RTLD_GLOBAL)
     import tvm_ffi
 
     return tvm_ffi.load_module(str(library))

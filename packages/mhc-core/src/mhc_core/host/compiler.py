@@ -275,6 +275,8 @@ def _load_shipped(spec: KernelSpec, arch: str) -> CompiledKernel | None:
     start = time.perf_counter()
     try:
         function = artifacts.load(full_key, found.library)
+    except artifacts.MissingRuntime:
+        raise  # no runtime means no DSL either (the compiler's package brings one): nothing to fall back on
     except Exception as error:  # a broken install: say so, and compile instead
         LOG.warning("could not load %s from %s (%s): compiling it", spec, found.library, error)
         return None
