@@ -110,14 +110,21 @@ def missing_class(path: str) -> bool:
     return not hasattr(module, class_name)
 
 
-def select_presets(models: list[str], wanted: list[str]) -> list[tuple[str, str, ModuleType]]:
-    """(model, preset name, generated module) for the chosen presets, in registry order."""
+def select_presets(
+    models: list[str], wanted: list[str], *, shipped_only: bool = False
+) -> list[tuple[str, str, ModuleType]]:
+    """(model, preset name, generated module) for the chosen presets, in registry order;
+    ``shipped_only``: without the test presets (names starting ``test-``: their kernels stay out of
+    the wheels' libraries)."""
     chosen = []
     found = set()
     for model in models:
         registry = importlib.import_module(f"{PACKAGES[model]}.presets")
         for name in registry.names():
             if wanted and name not in wanted and f"{model}.{name}" not in wanted:
+                continue
+            if shipped_only and name.startswith("test-"):
+                found.update({name, f"{model}.{name}"})  # known, not exported
                 continue
             found.update({name, f"{model}.{name}"})
             chosen.append((model, name, registry.get(name)))

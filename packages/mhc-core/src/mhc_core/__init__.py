@@ -43,6 +43,7 @@ _EXPORTS = {
     "device_problem": "host.support",
     "FusedSupport": "host.fallback",
     "check_fused_support": "host.fallback",
+    "find_preset": "preset_lookup",
 }
 
 #: Spelled out (not built from ``_EXPORTS``): what linters and type checkers read.
@@ -66,6 +67,7 @@ __all__ = [
     "compile_kernel",
     "device_arch",
     "device_problem",
+    "find_preset",
     "is_supported",
     "lamport_all_reduce",
     "run_ranks",
@@ -81,6 +83,7 @@ if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ loads each 
     from .host.op import LamportOp, OpPoisonedError, Plan
     from .host.spin import LamportTimeoutError, RouteIndexError, SpinGuard, TokenCountError
     from .host.support import device_problem, is_supported
+    from .preset_lookup import find_preset
 
 
 if not TYPE_CHECKING:  # hidden from type checkers: a module __getattr__ would make every name Any

@@ -1,0 +1,97 @@
+"""Finding a preset by what an engine knows: the model, the GPU (its arch, compute capability or
+device), tp, hidden and hc. Pure Python: imports the model's preset registry and modules, which need
+neither torch nor the DSL (a ``device`` is asked of torch).
+
+``find_preset("dsv41", arch="sm_90a", tp=2, hidden=5120)`` returns the preset's module (``PRESET``,
+``build(...)``); where no shipped preset matches, ``LookupError`` names the closest ones and what
+differs. Test presets (names starting ``test-``) are never returned.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from .constants import ARCH_BY_CAPABILITY, SUPPORTED_ARCHS
+
+#: Model key -> its package (``<package>.presets`` is the registry).
+MODELS = {"dsv41": "mhc_dsv41", "glm5": "mhc_glm5"}
+#: How many near misses an error names.
+CLOSEST = 3
+
+
+@dataclass(frozen=True)
+class _Wanted:
+    arch: str
+    tp: int
+    hidden: int
+    hc: int | None
+
+    def differences(self, preset: Any) -> list[str]:
+        """What ``preset`` has that was not asked for, one phrase per field."""
+        found = []
+        if self.arch not in preset.archs:
+            found.append(f"archs {', '.join(preset.archs)}, not {self.arch}")
+        for field in ("tp", "hidden", "hc"):
+            wanted = getattr(self, field)
+            if wanted is not None and getattr(preset, field) != wanted:
+                found.append(f"{field} {getattr(preset, field)}, not {wanted}")
+        return found
+
+
+def _arch(arch: str | None, capability: tuple[int, int] | None, device: Any) -> str:
+    given = [
+        name for name, value in (("arch", arch), ("capability", capability), ("device", device)) if value is not None
+    ]
+    if len(given) != 1:
+        raise TypeError(f"find_preset: expected one of arch, capability or device; got {given or 'none'}")
+    if arch is not None:
+        if arch not in SUPPORTED_ARCHS:
+            raise ValueError(f"arch: expected one of {SUPPORTED_ARCHS}, got {arch!r}")
+        return arch
+    if capability is not None:
+        key = (int(capability[0]), int(capability[1]))
+        if key not in ARCH_BY_CAPABILITY:
+            known = ", ".join(f"{major}.{minor}" for major, minor in ARCH_BY_CAPABILITY)
+            raise ValueError(f"capability: expected one of {known}, got {key[0]}.{key[1]}")
+        return ARCH_BY_CAPABILITY[key]
+    from .host.compiler import device_arch
+
+    return device_arch(device)
+
+
+def shipped_presets(model: str) -> dict[str, ModuleType]:
+    """name -> module of every shipped preset of ``model`` (test presets left out)."""
+    if model not in MODELS:
+        raise ValueError(f"model: expected one of {', '.join(MODELS)}, got {model!r}")
+    registry = importlib.import_module(f"{MODELS[model]}.presets")
+    return {name: registry.get(name) for name in registry.names() if not name.startswith("test-")}
+
+
+def find_preset(
+    model: str,
+    *,
+    tp: int,
+    hidden: int,
+    hc: int | None = None,
+    arch: str | None = None,
+    capability: tuple[int, int] | None = None,
+    device: Any = None,
+) -> ModuleType:
+    """The module of ``model``'s shipped preset for one GPU (``arch``, ``capability`` or ``device``:
+    exactly one), ``tp``, ``hidden`` and ``hc`` (None: any). Raises ``LookupError`` naming the
+    closest presets and what differs when none matches."""
+    wanted = _Wanted(_arch(arch, capability, device), tp, hidden, hc)
+    presets = shipped_presets(model)
+    ranked = sorted(presets.items(), key=lambda item: (len(wanted.differences(item[1].PRESET)), item[0]))
+    matches = [(name, module) for name, module in ranked if not wanted.differences(module.PRESET)]
+    if len(matches) == 1:
+        return matches[0][1]
+    described = f"arch {wanted.arch}, tp {tp}, hidden {hidden}" + (f", hc {hc}" if hc is not None else "")
+    if matches:
+        names = ", ".join(name for name, _ in matches)
+        raise LookupError(f"{model} presets for {described}: {names} all match; pass hc or pick one by name")
+    closest = "; ".join(f"{name} ({', '.join(wanted.differences(module.PRESET))})" for name, module in ranked[:CLOSEST])
+    raise LookupError(f"no {model} preset for {described}; closest: {closest}")
