@@ -642,12 +642,13 @@ class LamportOp:
         small buffers such a replay still touches (stage state, destination table, error report,
         events, GLM's hand-off rows). An op a graph captured is kept alive until close(), whatever
         references the caller drops: garbage collection never frees memory a replay could write."""
-        if self._closed:
-            return
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("close(): not inside a CUDA-graph capture (it synchronises the device)")
-        self._closed = True
-        self._release()
+        with self._lock:  # a call in flight on another thread finishes first
+            if self._closed:
+                return
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("close(): not inside a CUDA-graph capture (it synchronises the device)")
+            self._closed = True
+            self._release()
 
     #: Attributes holding device memory (or programs bound to it, or streams recorded on it) that
     #: ``close()`` drops.
