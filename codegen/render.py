@@ -99,6 +99,10 @@ def render_registry(env: jinja2.Environment, model: Model, presets: list[Preset]
         "model": model.key,
         "source": source,
         "title": model.title,
+        "config_module": model.config_module,
+        "preset_class": model.preset_class,
+        "op_module": model.op_module,
+        "op_class": model.op_class,
         "presets": checked(table, used=len("PRESETS: dict[str, str] = "), split=True),
     }
     return env.get_template(REGISTRY_TEMPLATE).render(context)

@@ -5,6 +5,7 @@ re-exported core names through the packages (the lazy exports are visible to the
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -52,3 +53,65 @@ def test_public_api_type_checks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     options = ["--strict", "--follow-imports=silent", "--ignore-missing-imports", "--cache-dir", str(tmp_path / "c")]
     out, err, status = api.run([*options, *files])
     assert status == 0, out + err
+
+
+@pytest.fixture(scope="module")
+def mypy_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One mypy cache for this module's checks (torch's stubs are most of a first run)."""
+    return tmp_path_factory.mktemp("mypy-cache")
+
+
+def run_mypy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script: str, cache: Path) -> tuple[int, str]:
+    """mypy --strict on a user's script alone (the packages found through MYPYPATH, as installed)."""
+    api = pytest.importorskip("mypy.api", reason="mypy is not installed (nox -s tests installs it)")
+    path = tmp_path / "engine.py"
+    path.write_text(script)
+    monkeypatch.setenv("MYPYPATH", os.pathsep.join(str(source) for source in SOURCES))
+    options = ["--strict", "--follow-imports=silent", "--ignore-missing-imports", "--cache-dir", str(cache)]
+    out, err, status = api.run([*options, str(path)])
+    return status, out + err
+
+
+def test_a_misspelt_core_name_fails_type_checking(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mypy_cache: Path
+) -> None:
+    """``mhc_core.is_supportd()`` passed ``mypy --strict``: the lazy exports' ``__getattr__`` made every
+    attribute of the package ``Any`` (issue #34)."""
+    status, output = run_mypy(tmp_path, monkeypatch, "import mhc_core\n\nmhc_core.is_supportd()\n", mypy_cache)
+    assert status == 1, output
+    assert 'engine.py:3: error: Module has no attribute "is_supportd"' in output, output
+
+
+#: Each line assigns a public name's value to ``str``: mypy must refuse every one, which it cannot for
+#: an ``Any`` (the lazy exports, ``library.boundary(op: Any, ...)``, ``presets.get(...).PRESET`` were).
+NOT_ANY = """
+import torch
+import mhc_core
+import mhc_dsv41
+import mhc_glm5
+from mhc_dsv41 import library as dsv_library
+from mhc_glm5 import library as glm_library
+
+
+def engine(dsv: mhc_dsv41.AllReduceMHC, glm: mhc_glm5.AllReduceMhcBoundary, x: torch.Tensor) -> None:
+    a: str = mhc_core.is_supported()
+    b: str = mhc_core.LamportAllReduce
+    c: str = mhc_core.MoEOutput
+    d: str = mhc_core.check_fused_support()
+    e: str = mhc_core.find_preset("dsv41", arch="sm_90a", tp=1, hidden=5120).PRESET
+    f: str = mhc_dsv41.presets.get("h200-tp1-h5120").PRESET
+    g: str = mhc_glm5.presets.get("h200-tp1-h4096").build(8, "cuda")
+    h: str = dsv_library.boundary(dsv, x, x, x, x, x, x)
+    i: str = glm_library.join(glm, x)
+    dsv_library.boundary(glm, x, x, x, x, x, x)
+    glm_library.join(dsv, x)
+"""
+
+
+def test_public_names_have_their_real_types(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mypy_cache: Path) -> None:
+    status, output = run_mypy(tmp_path, monkeypatch, NOT_ANY, mypy_cache)
+    assert status == 1, output
+    first = NOT_ANY.splitlines().index("    a: str = mhc_core.is_supported()") + 1
+    flagged = {int(number) for number in re.findall(r"engine\.py:(\d+): error", output)}
+    expected = set(range(first, first + 11))
+    assert expected <= flagged, f"lines typed Any (not flagged): {sorted(expected - flagged)}\n{output}"

@@ -12,9 +12,13 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from .constants import ARCH_BY_CAPABILITY, SUPPORTED_ARCHS
+
+if TYPE_CHECKING:  # each model's preset module type (its registry's ``PresetModule``)
+    from mhc_dsv41.presets import PresetModule as DSV41PresetModule
+    from mhc_glm5.presets import PresetModule as GLM5PresetModule
 
 #: Model key -> its package (``<package>.presets`` is the registry).
 MODELS = {"dsv41": "mhc_dsv41", "glm5": "mhc_glm5"}
@@ -70,6 +74,32 @@ def shipped_presets(model: str) -> dict[str, ModuleType]:
     return {name: registry.get(name) for name in registry.names() if not name.startswith("test-")}
 
 
+@overload
+def find_preset(
+    model: Literal["dsv41"],
+    *,
+    tp: int,
+    hidden: int,
+    hc: int | None = None,
+    arch: str | None = None,
+    capability: tuple[int, int] | None = None,
+    device: Any = None,
+) -> DSV41PresetModule: ...
+
+
+@overload
+def find_preset(
+    model: Literal["glm5"],
+    *,
+    tp: int,
+    hidden: int,
+    hc: int | None = None,
+    arch: str | None = None,
+    capability: tuple[int, int] | None = None,
+    device: Any = None,
+) -> GLM5PresetModule: ...
+
+
 def find_preset(
     model: str,
     *,
@@ -79,7 +109,7 @@ def find_preset(
     arch: str | None = None,
     capability: tuple[int, int] | None = None,
     device: Any = None,
-) -> ModuleType:
+) -> Any:
     """The module of ``model``'s shipped preset for one GPU (``arch``, ``capability`` or ``device``:
     exactly one), ``tp``, ``hidden`` and ``hc`` (None: any). Raises ``LookupError`` naming the
     closest presets and what differs when none matches."""

@@ -9,12 +9,17 @@ op's state (mutated: the calls keep their order) and handle, and returns ``(resi
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from mhc_core.host import library
+
+if TYPE_CHECKING:  # the wrappers below are typed by the op class (imported by the caller already)
+    from mhc_core.host.moe import MoEOutput
+
+    from .op import AllReduceMHC
 
 
 @torch.library.custom_op("mhc::dsv41_boundary", mutates_args=("state",), device_types="cuda")
@@ -93,8 +98,16 @@ def _(state, handle, residual, post, comb, pre, norm_weight, norm_eps):
     return torch.empty_like(residual), residual.new_empty(residual.shape[0], residual.shape[2])
 
 
-def boundary(op: Any, x: Any, residual: Tensor, post: Tensor, comb: Tensor, pre: Tensor, norm_weight: Tensor,
-             norm_eps: float | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+def boundary(
+    op: AllReduceMHC,
+    x: Tensor | MoEOutput,
+    residual: Tensor,
+    post: Tensor,
+    comb: Tensor,
+    pre: Tensor,
+    norm_weight: Tensor,
+    norm_eps: float | None = None,
+) -> tuple[Tensor, Tensor]:
     """``op(x, ...)`` (or ``op.finalize`` for a ``MoEOutput`` x) of an ``AllReduceMHC`` through the custom ops
     (``norm_eps`` None: the op's)."""
     from mhc_core.host.moe import MoEOutput
@@ -109,8 +122,15 @@ def boundary(op: Any, x: Any, residual: Tensor, post: Tensor, comb: Tensor, pre:
     return torch.ops.mhc.dsv41_boundary(op.state, op.handle, x, residual, post, comb, pre, norm_weight, norm_eps)
 
 
-def collect(op: Any, residual: Tensor, post: Tensor, comb: Tensor, pre: Tensor, norm_weight: Tensor,
-            norm_eps: float | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+def collect(
+    op: AllReduceMHC,
+    residual: Tensor,
+    post: Tensor,
+    comb: Tensor,
+    pre: Tensor,
+    norm_weight: Tensor,
+    norm_eps: float | None = None,
+) -> tuple[Tensor, Tensor]:
     """``op.collect(...)`` through the custom ops (after ``mhc_core.host.library.publish_input``;
     ``norm_eps`` None: the op's)."""
     norm_eps = op.norm_eps if norm_eps is None else norm_eps

@@ -16,12 +16,17 @@ it: threads sharing one op pair their boundary and join calls under a lock of th
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from mhc_core.host import library
+
+if TYPE_CHECKING:  # the wrappers below are typed by the op class (imported by the caller already)
+    from mhc_core.host.moe import MoEOutput
+
+    from .op import AllReduceMhcBoundary
 
 from .config import HC
 
@@ -132,8 +137,17 @@ def _(state, handle, residual_out):
     return residual_out.new_empty(m, HC, 1, dtype=torch.float32), residual_out.new_empty(m, HC, HC, dtype=torch.float32)
 
 
-def boundary(op: Any, x: Any, residual: Tensor, post: Tensor, comb: Tensor, fn: Tensor, scale: Tensor, base: Tensor,
-             norm_weight: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
+def boundary(
+    op: AllReduceMhcBoundary,
+    x: Tensor | MoEOutput,
+    residual: Tensor,
+    post: Tensor,
+    comb: Tensor,
+    fn: Tensor,
+    scale: Tensor,
+    base: Tensor,
+    norm_weight: Tensor,
+) -> tuple[Tensor, Tensor]:
     """``op(x, ...)`` of an ``AllReduceMhcBoundary`` through the custom ops (``x``: a tensor or a
     ``MoEOutput``): ``(residual_out, layer_input)``; ``join`` gives ``(post_out, comb_out)``."""
     from mhc_core.host.moe import MoEOutput
@@ -146,12 +160,20 @@ def boundary(op: Any, x: Any, residual: Tensor, post: Tensor, comb: Tensor, fn: 
     return torch.ops.mhc.glm5_boundary(op.state, op.handle, x, residual, post, comb, fn, scale, base, norm_weight)
 
 
-def collect(op: Any, residual: Tensor, post: Tensor, comb: Tensor, fn: Tensor, scale: Tensor, base: Tensor,
-            norm_weight: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
+def collect(
+    op: AllReduceMhcBoundary,
+    residual: Tensor,
+    post: Tensor,
+    comb: Tensor,
+    fn: Tensor,
+    scale: Tensor,
+    base: Tensor,
+    norm_weight: Tensor,
+) -> tuple[Tensor, Tensor]:
     """``op.collect(...)`` through the custom ops (after ``mhc_core.host.library.publish_input``)."""
     return torch.ops.mhc.glm5_collect(op.state, op.handle, residual, post, comb, fn, scale, base, norm_weight)
 
 
-def join(op: Any, residual_out: Tensor) -> tuple[Tensor, Tensor]:
+def join(op: AllReduceMhcBoundary, residual_out: Tensor) -> tuple[Tensor, Tensor]:
     """``(post_out, comb_out)`` of the op's last boundary call, once the current stream waits for them."""
     return torch.ops.mhc.glm5_join(op.state, op.handle, residual_out)

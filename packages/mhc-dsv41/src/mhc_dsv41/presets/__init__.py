@@ -5,7 +5,16 @@
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    import torch
+
+    from mhc_core.device.kernel import DeviceKernel
+    from mhc_dsv41.config import DSV41Preset
+    from mhc_dsv41.op import AllReduceMHC
 
 #: Preset name -> module path, sorted by name.
 PRESETS: dict[str, str] = {
@@ -20,15 +29,30 @@ PRESETS: dict[str, str] = {
 }
 
 
+class PresetModule(Protocol):
+    """What every generated preset module holds: ``get``'s result, typed for type checkers."""
+
+    NAME: str
+    PRESET: DSV41Preset
+    GEOMETRY: dict[str, Any]
+    KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]]
+
+    def kernels(self, arch: str, names: Iterable[str] | None = None) -> dict[str, DeviceKernel]: ...
+
+    def build(
+        self, max_num_tokens: int, device: torch.device | str | int, group: Any = None, **options: Any
+    ) -> AllReduceMHC: ...
+
+
 def names() -> tuple[str, ...]:
     """Every preset's name, sorted."""
     return tuple(PRESETS)
 
 
-def get(name: str) -> ModuleType:
+def get(name: str) -> PresetModule:
     """The module of preset ``name``: ``PRESET``, ``GEOMETRY``, ``KERNELS``, ``kernels(arch)``, ``build(...)``."""
     try:
         path = PRESETS[name]
     except KeyError:
         raise KeyError(f"unknown dsv41 preset {name!r}; known: {', '.join(PRESETS)}") from None
-    return importlib.import_module(path)
+    return cast("PresetModule", importlib.import_module(path))
