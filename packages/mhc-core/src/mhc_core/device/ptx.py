@@ -472,3 +472,91 @@ def store_to_peer_f32(local: cute.Pointer, peer: Int32, value: Float32) -> None:
     """Store into CTA ``peer``'s copy of shared-memory slot ``local`` (DSMEM)."""
     remote = cute.arch.map_dsmem_ptr(local, peer)
     remote.store(value)
+
+
+# ------------------------------------------------------------ FP8 quantisation (issue #33)
+#: Two FP32 -> two E4M3 (``float8_e4m3fn``) in 16 bits, round to nearest even, magnitudes past 448
+#: saturated to +-448, NaN kept NaN (0x7F / 0xFF); the first source goes to the upper byte (sm_89 on).
+PTX_CVT_E4M3X2_F32 = "cvt.rn.satfinite.e4m3x2.f32 $0, $1, $2;"
+#: IEEE FP32 division, round to nearest even, no flush to zero (what a bitwise match with a
+#: reference's ``x / s`` needs: a reciprocal then a multiply rounds twice).
+PTX_DIV_RN_F32 = "div.rn.f32 $0, $1, $2;"
+#: Unsigned 16-bit maximum of each half of two words (sm_90 on): BF16 magnitudes compare as integers.
+PTX_MAX_U16X2 = "max.u16x2 $0, $1, $2;"
+#: An 8-byte global store of 2 words (8 E4M3 values) and a 1-byte one (a UE8M0 scale).
+PTX_STORE_U32X2 = "st.global.v2.u32 [$0], {$1, $2};"
+PTX_STORE_U8 = "st.global.u8 [$0], $1;"
+
+
+@dsl_user_op
+def cvt_e4m3x2(high: Float32, low: Float32, *, loc=None, ip=None) -> Uint32:
+    """``e4m3(high) << 8 | e4m3(low)``, zero-extended to a word (``cvt.rn.satfinite.e4m3x2.f32``)."""
+    packed = llvm.inline_asm(
+        T.i16(),
+        [_value(Float32(high), loc, ip), _value(Float32(low), loc, ip)],
+        PTX_CVT_E4M3X2_F32,
+        "=h,f,f",
+        has_side_effects=False,
+        asm_dialect=0,
+        loc=loc,
+        ip=ip,
+    )
+    return Uint32(cutlass.Uint16(packed))
+
+
+@dsl_user_op
+def div_rn_f32(numerator: Float32, denominator: Float32, *, loc=None, ip=None) -> Float32:
+    """``numerator / denominator``, one IEEE rounding (``div.rn.f32``)."""
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [_value(Float32(numerator), loc, ip), _value(Float32(denominator), loc, ip)],
+            PTX_DIV_RN_F32,
+            "=f,f,f",
+            has_side_effects=False,
+            asm_dialect=0,
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+@dsl_user_op
+def max_u16x2(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
+    """Per 16-bit half, the unsigned maximum of ``a`` and ``b`` (``max.u16x2``)."""
+    return Uint32(
+        llvm.inline_asm(
+            T.i32(),
+            [_value(Uint32(a), loc, ip), _value(Uint32(b), loc, ip)],
+            PTX_MAX_U16X2,
+            "=r,r,r",
+            has_side_effects=False,
+            asm_dialect=0,
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+@dsl_user_op
+def store_u32x2(address: Int64, low: Uint32, high: Uint32, *, loc=None, ip=None) -> None:
+    """One 8-byte global store of two words (``address`` 8-byte aligned)."""
+    _store(PTX_STORE_U32X2, address, [_value(Uint32(low), loc, ip), _value(Uint32(high), loc, ip)], loc, ip)
+
+
+@dsl_user_op
+def store_u8(address: Int64, value: Uint32, *, loc=None, ip=None) -> None:
+    """A 1-byte global store of ``value``'s low byte."""
+    _store(PTX_STORE_U8, address, [_value(Uint32(value), loc, ip)], loc, ip)
+
+
+@dsl_user_op
+def f32_from_bits(bits: Uint32, *, loc=None, ip=None) -> Float32:
+    """The FP32 value whose bits are ``bits`` (a bit cast, no conversion)."""
+    return _bits_to_f32(bits, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def f32_to_bits(value: Float32, *, loc=None, ip=None) -> Uint32:
+    """The bits of an FP32 value (a bit cast, no conversion)."""
+    return Uint32(llvm.bitcast(T.i32(), _value(Float32(value), loc, ip), loc=loc, ip=ip))
