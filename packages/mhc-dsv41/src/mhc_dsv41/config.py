@@ -52,6 +52,20 @@ DEFAULT_RANK_LANES = 1
 #: 64 KiB for 128 threads, so that several CTAs share an SM).
 MAX_TRIP_STREAMS = 16
 
+#: The layer input's formats (issue #33): BF16, or FP8 E4M3 with one scale per group of columns,
+#: as ``mhc_core.fp8.FORMATS`` (which imports torch, so not here: a CPU test checks they agree)
+#: names them: format -> (group, scale layout).
+LAYER_INPUT_BF16 = "bf16"
+LAYER_INPUT_FP8_FORMATS: dict[str, tuple[int, str]] = {
+    "fp32-g128": (128, "row-major"),
+    "ue8m0-g128-packed": (128, "mn-major-packed"),
+    "mx-g32": (32, "swizzled-128x4"),
+}
+LAYER_INPUT_FORMATS = (LAYER_INPUT_BF16, *LAYER_INPUT_FP8_FORMATS)
+#: The config fields that choose it; left out of a BF16 config's repr, from which the kernel's
+#: symbol name is built (so the BF16 kernels' PTX is what it was before they existed).
+LAYER_INPUT_FIELDS = ("layer_input_format", "layer_input_bf16")
+
 
 def default_geometry(hidden: int, hc: int, tp: int) -> dict[str, int]:
     """``cluster_size``, ``threads`` and ``rank_lanes`` for a plain constructor (module docstring)."""
@@ -211,7 +225,10 @@ class DSV41Preset(CollectiveGeometry):
         }
 
     # ----------------------------------------------------------- kernels
-    def collective_config(self, persistent: bool = False) -> dict[str, Any]:
+    def collective_config(
+        self, persistent: bool = False, layer_input_format: str = LAYER_INPUT_BF16, layer_input_bf16: bool = False
+    ) -> dict[str, Any]:
+        """The collective's ``MHCConfig`` fields (all of them: a kernel's key is built from this dict)."""
         return {
             "hidden": self.hidden,
             "hc": self.hc,
@@ -221,6 +238,8 @@ class DSV41Preset(CollectiveGeometry):
             "threads": self.threads,
             "staged_tokens": self.staged_tokens,
             "persistent": persistent,
+            "layer_input_format": layer_input_format,
+            "layer_input_bf16": layer_input_bf16,
         }
 
     def kernel_specs(self, arch: str) -> dict[str, tuple[str, dict[str, Any]]]:
@@ -256,6 +275,11 @@ class MHCConfig(CollectiveGeometry):
     threads: int
     staged_tokens: int = 2
     persistent: bool = False
+    #: The layer input's format (``LAYER_INPUT_FORMATS``): BF16, or FP8 E4M3 quantised in registers
+    #: at the norm's store, with its scales (``mhc_core.device.quant``).
+    layer_input_format: str = LAYER_INPUT_BF16
+    #: With an FP8 format: store the BF16 layer input too (both from one call).
+    layer_input_bf16: bool = False
 
     def __post_init__(self) -> None:
         if not 2 <= self.staged_tokens <= 4:
@@ -273,3 +297,73 @@ class MHCConfig(CollectiveGeometry):
                 f"threads: {self.threads} threads x {self.trips} trips x hc = {self.hc} stage {self.shared_bytes} "
                 f"bytes of shared memory, more than {MAX_SHARED_BYTES} (fewer threads or a larger cluster_size)"
             )
+        self._check_layer_input()
+
+    def _check_layer_input(self) -> None:
+        """The FP8 groups' placement (``mhc_dsv41.kernel``): a group of ``group`` columns is
+        ``group / 8`` consecutive fragments of one trip, ``rank_lanes`` consecutive threads each, in one
+        CTA (a CTA's ``groups_per_cta`` fragments of a trip start at a multiple of it); its absmax is
+        reduced by shuffles, so those threads must lie in one warp."""
+        fmt = self.layer_input_format
+        if fmt not in LAYER_INPUT_FORMATS:
+            raise ValueError(f"layer_input_format: expected one of {', '.join(LAYER_INPUT_FORMATS)}, got {fmt!r}")
+        if not isinstance(self.layer_input_bf16, bool):
+            raise ValueError(f"layer_input_bf16: expected True or False, got {self.layer_input_bf16!r}")
+        if fmt == LAYER_INPUT_BF16:
+            if self.layer_input_bf16:
+                raise ValueError(
+                    "layer_input_bf16: asks for the BF16 layer input beside an FP8 one; with layer_input_format "
+                    f"{LAYER_INPUT_BF16!r} it is the only one (expected False)"
+                )
+            return
+        group = self.fp8_group
+        if self.hidden % group:
+            raise ValueError(
+                f"layer_input_format: {fmt!r} has groups of {group} columns, so hidden must be a multiple of "
+                f"{group}; got hidden = {self.hidden}"
+            )
+        fragments = group // VEC_BF16
+        if fragments * self.rank_lanes > WARP_SIZE:
+            raise ValueError(
+                f"rank_lanes: a group of {fmt!r} is {fragments} fragments of rank_lanes threads each, reduced "
+                f"inside one warp, so at most {WARP_SIZE // fragments} rank lanes; got {self.rank_lanes}"
+            )
+        if self.groups_per_cta % fragments:
+            raise ValueError(
+                f"threads: a CTA's {self.groups_per_cta} fragments per trip must hold whole groups of {fragments} "
+                f"fragments ({fmt!r}: a group may not straddle the cluster's CTAs); got threads = {self.threads}"
+            )
+
+    def __repr__(self) -> str:
+        # The kernel's symbol name is built from this text: a BF16 config reads as it did before the
+        # layer-input fields existed, so the BF16 kernels' PTX is unchanged.
+        shown = [
+            f"{name}={getattr(self, name)!r}"
+            for name in self.__dataclass_fields__
+            if name not in LAYER_INPUT_FIELDS or self.quantizes
+        ]
+        return f"{type(self).__name__}({', '.join(shown)})"
+
+    @property
+    def quantizes(self) -> bool:
+        """Whether the layer input is FP8 (with its scales)."""
+        return self.layer_input_format != LAYER_INPUT_BF16
+
+    @property
+    def stores_bf16_layer_input(self) -> bool:
+        return not self.quantizes or self.layer_input_bf16
+
+    @property
+    def fp8_group(self) -> int:
+        """Columns per scale (FP8 formats only)."""
+        return LAYER_INPUT_FP8_FORMATS[self.layer_input_format][0]
+
+    @property
+    def scale_layout(self) -> str:
+        """Where each scale goes (``mhc_core.fp8.Fp8Format.layout``; FP8 formats only)."""
+        return LAYER_INPUT_FP8_FORMATS[self.layer_input_format][1]
+
+    @property
+    def scale_groups(self) -> int:
+        """Scales per token, ``hidden / group`` (FP8 formats only)."""
+        return self.hidden // self.fp8_group

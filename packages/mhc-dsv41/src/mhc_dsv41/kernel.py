@@ -34,15 +34,20 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Boolean, Float32, Int32, Int64, Uint32
+from cutlass import BFloat16, Boolean, Float8E4M3FN, Float32, Int32, Int64, Uint8, Uint32
 
 from mhc_core.constants import VEC_BF16
-from mhc_core.device import protocol, ptx, reduce
+from mhc_core.device import protocol, ptx, quant, reduce
 from mhc_core.device.collective import mailbox_params
 from mhc_core.device.kernel import DeviceKernel
 from mhc_core.device.signature import Param, Ptr, Scalar, Signature, Stream
 
 from .config import MHCConfig
+
+#: The scale tensor's element type per layout (``mhc_core.fp8.Fp8Format.scale_dtype``).
+SCALE_DTYPES = {quant.ROW_MAJOR: Float32, quant.MN_MAJOR_PACKED: Int32, quant.SWIZZLED_128X4: Uint8}
+#: Scales are stored 4 bytes at a time at most (an FP32 scale, a padding word).
+SCALE_ALIGN = 4
 
 
 class LamportMHCKernel(DeviceKernel):
@@ -50,7 +55,10 @@ class LamportMHCKernel(DeviceKernel):
     config_type = MHCConfig
 
     def signature(self) -> Signature:
-        return (
+        """The BF16 layer input's parameters; an FP8 format appends ``layer_input_q`` (E4M3
+        ``[M, hidden]``) and ``layer_input_scales`` (its layout's tensor), and ``layer_input`` is then
+        written only with ``layer_input_bf16`` (any 16-byte aligned address otherwise)."""
+        params: Signature = (
             Param("residual", Ptr(BFloat16)),
             Param("post", Ptr(Float32, 4)),
             Param("comb", Ptr(Float32, 4)),
@@ -67,16 +75,23 @@ class LamportMHCKernel(DeviceKernel):
             Param("m", Scalar(Int32)),
             Param("stream", Stream()),
         )
+        if self.config.quantizes:
+            params += (
+                Param("layer_input_q", Ptr(Float8E4M3FN)),
+                Param("layer_input_scales", Ptr(SCALE_DTYPES[self.config.scale_layout], SCALE_ALIGN)),
+            )
+        return params
 
     @cute.jit
     def __call__(
         self, residual, post, comb, pre, gamma, residual_out, layer_input, eps, prefetch, x, direct,
         mailbox, stage_state, capacity, spin_limit_ns, error_flag, clusters, m, stream,
+        layer_input_q=None, layer_input_scales=None,
     ):  # fmt: skip
         config = self.config
         self.kernel(
             residual, post, comb, pre, gamma, residual_out, layer_input, eps, prefetch, x, direct,
-            mailbox, stage_state, capacity, spin_limit_ns, error_flag, m,
+            mailbox, stage_state, capacity, spin_limit_ns, error_flag, m, layer_input_q, layer_input_scales,
         ).launch(
             grid=(cutlass.min(m, clusters) if config.persistent else m, config.cluster_size, 1),
             block=(config.threads, 1, 1),
@@ -106,6 +121,8 @@ class LamportMHCKernel(DeviceKernel):
         spin_limit_ns: Int64,
         error_flag: Int64,
         m: Int32,
+        layer_input_q: cute.Pointer,
+        layer_input_scales: cute.Pointer,
     ):
         config = self.config
         hc, tp, lanes, hidden, trips = config.hc, config.tp, config.rank_lanes, config.hidden, config.trips
@@ -176,7 +193,7 @@ class LamportMHCKernel(DeviceKernel):
                 first_token, Int32(0), Int32(0), clusters, m, stream_words, post_mix, pre_mix, comb_mix, gamma_words,
                 x_stage, warp_sums, cluster_sums, residual_out, layer_input, eps, x, from_x, mailbox_base,
                 stage_state, stage, state, poisoned, capacity, spin_limit_ns, error_flag, tidx, cluster_rank, lane,
-                leader, group, base_fragment,
+                leader, group, base_fragment, layer_input_q, layer_input_scales,
             )  # fmt: skip
             return
         iteration = Int32(0)
@@ -206,7 +223,7 @@ class LamportMHCKernel(DeviceKernel):
                 token, iteration, buffer, clusters, m, stream_words, post_mix, pre_mix, comb_mix, gamma_words, x_stage,
                 warp_sums, cluster_sums, residual_out, layer_input, eps, x, from_x, mailbox_base, stage_state, stage,
                 state, poisoned, capacity, spin_limit_ns, error_flag, tidx, cluster_rank, lane, leader, group,
-                base_fragment,
+                base_fragment, layer_input_q, layer_input_scales,
             )  # fmt: skip
             iteration = iteration + 1
 
@@ -218,7 +235,8 @@ class LamportMHCKernel(DeviceKernel):
         eps: Float32, x: cute.Pointer, from_x: Boolean, mailbox_base: Int64, stage_state: cute.Tensor, stage: Uint32,
         state: Int64,
         poisoned: Boolean, capacity: Int32, spin_limit_ns: Int64, error_flag: Int64, tidx: Int32, cluster_rank: Int32,
-        lane: Int32, leader: Boolean, group: Int32, base_fragment: Int32,
+        lane: Int32, leader: Boolean, group: Int32, base_fragment: Int32, layer_input_q: cute.Pointer,
+        layer_input_scales: cute.Pointer,
     ) -> Boolean:  # fmt: skip
         """One token from its inputs in registers (streams, mixes; x read directly or staged, or
         polled): post-mix, stores, collapse, re-arm, the cluster's sum of squares, the normalized
@@ -308,14 +326,72 @@ class LamportMHCKernel(DeviceKernel):
         reduce.block_to_cluster(squares, 1, warp_sums, sums, cluster_rank, config.threads, config.cluster_size)
         sum_squares = reduce.cluster_total(sums, 0, 1, config.cluster_size)
         inv_rms = cute.math.rsqrt(sum_squares / Float32(hidden) + eps, fastmath=True)
-        for trip in cutlass.range_constexpr(trips):
+        if cutlass.const_expr(config.quantizes):
+            self.store_quantized_layer_input(
+                token, m, prenorm_words, gamma_words, inv_rms, layer_input, layer_input_q, layer_input_scales,
+                tidx, cluster_rank, leader, base_fragment,
+            )  # fmt: skip
+        else:
+            for trip in cutlass.range_constexpr(trips):
+                fragment = base_fragment + trip * config.fragment_stride
+                if (fragment < config.fragments) & leader:
+                    prenorm = ptx.words_to_f32x8(prenorm_words[trip, None].load())
+                    weight = ptx.words_to_f32x8(gamma_words[trip, None].load())
+                    element = Int64(token) * hidden + Int64(fragment) * VEC_BF16
+                    ptx.store_u32x4(layer_input.toint() + element * 2, ptx.f32x8_to_words(prenorm * inv_rms * weight))
+        return poisoned
+
+    @cute.jit
+    def store_quantized_layer_input(
+        self, token: Int32, m: Int32, prenorm_words: cute.Tensor, gamma_words: cute.Tensor, inv_rms: Float32,
+        layer_input: cute.Pointer, layer_input_q: cute.Pointer, layer_input_scales: cute.Pointer, tidx: Int32,
+        cluster_rank: Int32, leader: Boolean, base_fragment: Int32,
+    ) -> None:  # fmt: skip
+        """The token's normalized layer input as FP8 E4M3 with one scale per group (and in BF16 too
+        with ``layer_input_bf16``), rounded as ``mhc_core.fp8.quantize`` rounds the BF16 values.
+
+        Placement (``MHCConfig._check_layer_input``): a group's ``group / 8`` fragments are
+        consecutive fragments of one trip in one CTA, held by the leaders of an aligned segment of
+        ``group / 8 * rank_lanes`` lanes of one warp. ``quant.segment_max`` leaves the group's absmax
+        in every lane of it; each leader computes the scale, quantises its own fragment and stores
+        its 8 codes; the leader of the group's first fragment stores the scale. The cluster then
+        zeroes the scale padding rows that fall to this token.
+        """
+        config = self.config
+        hidden, layout, groups = config.hidden, config.scale_layout, config.scale_groups
+        fragments_per_group = config.fp8_group // VEC_BF16
+        steps = fragments_per_group.bit_length() - 1  # log2: a group is 4 or 16 fragments
+        scales = layer_input_scales.toint()
+        for trip in cutlass.range_constexpr(config.trips):
             fragment = base_fragment + trip * config.fragment_stride
-            if (fragment < config.fragments) & leader:
+            # The same for a whole segment: the token's fragments hold whole groups.
+            holds = (fragment < config.fragments) & leader
+            element = Int64(token) * hidden + Int64(fragment) * VEC_BF16
+            words = cute.make_rmem_tensor(cute.make_layout((4,)), Uint32)
+            words.fill(Uint32(0))
+            if holds:
                 prenorm = ptx.words_to_f32x8(prenorm_words[trip, None].load())
                 weight = ptx.words_to_f32x8(gamma_words[trip, None].load())
-                element = Int64(token) * hidden + Int64(fragment) * VEC_BF16
-                ptx.store_u32x4(layer_input.toint() + element * 2, ptx.f32x8_to_words(prenorm * inv_rms * weight))
-        return poisoned
+                words.store(ptx.f32x8_to_words(prenorm * inv_rms * weight))
+                if cutlass.const_expr(config.layer_input_bf16):
+                    ptx.store_u32x4(layer_input.toint() + element * 2, words.load())
+            absmax = quant.segment_max(quant.fragment_absmax_bits(words.load()), config.rank_lanes, steps)
+            if holds:
+                scale = quant.group_scale(absmax)
+                if cutlass.const_expr(layout == quant.ROW_MAJOR):
+                    low, high = quant.quantize_fragment_divide(words.load(), scale)
+                    code = ptx.f32_to_bits(scale)
+                else:
+                    code = quant.ue8m0_exponent(scale)
+                    low, high = quant.quantize_fragment_scaled(words.load(), quant.ue8m0_reciprocal(code))
+                ptx.store_u32x2(layer_input_q.toint() + element * quant.E4M3_BYTES, low, high)
+                if fragment % fragments_per_group == 0:
+                    group_index = fragment // fragments_per_group
+                    quant.store_group_scale(layout, scales, token, group_index, m, groups, code)
+        quant.store_padding_rows(
+            layout, scales, token, m, cluster_rank * config.threads + tidx, config.cluster_size * config.threads,
+            groups,
+        )  # fmt: skip
 
     @cute.jit
     def stage_token(

@@ -107,6 +107,8 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "threads": 128,
                 "staged_tokens": 2,
                 "persistent": False,
+                "layer_input_format": "bf16",
+                "layer_input_bf16": False,
             },
         ),
         "collective_persistent": (
@@ -120,6 +122,8 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "threads": 128,
                 "staged_tokens": 2,
                 "persistent": True,
+                "layer_input_format": "bf16",
+                "layer_input_bf16": False,
             },
         ),
     },
