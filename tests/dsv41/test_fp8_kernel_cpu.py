@@ -102,7 +102,7 @@ def test_group_placement(fmt: str, lanes: int) -> None:
     group = {"fp32-g128": 128, "ue8m0-g128-packed": 128, "mx-g32": 32}[fmt]
     segment = group // 8 * lanes
     if segment > WARP_SIZE:
-        with pytest.raises(ValueError, match="^rank_lanes: "):
+        with pytest.raises(ValueError, match=r"^rank_lanes: "):
             geometry(tp=8, rank_lanes=lanes, layer_input_format=fmt)
         return
     for threads in (32, 64, 128, 256):
@@ -132,8 +132,8 @@ def test_the_quantiser_constants_are_mhc_core_fp8s() -> None:
         return int(torch.tensor(value, dtype=torch.float32).view(torch.int32).item())
 
     assert quant.E4M3_MAX == fp8.E4M3_MAX == torch.finfo(torch.float8_e4m3fn).max
-    assert quant.ABSMAX_FLOOR_BITS == bits(fp8.EPS)
-    assert quant.UE8M0_FLOOR_BITS == bits(fp8.UE8M0_FLOOR)
+    assert bits(fp8.EPS) == quant.ABSMAX_FLOOR_BITS
+    assert bits(fp8.UE8M0_FLOOR) == quant.UE8M0_FLOOR_BITS
     assert quant.F32_EXPONENT_BIAS == fp8.UE8M0_BIAS
     # The layouts' constants: one 128x4 tile is 512 bytes; the packed rows align to 16 bytes.
     assert quant.SWIZZLE_TILE_BYTES == quant.SWIZZLE_TILE_ROWS * quant.GROUPS_PER_WORD
@@ -193,3 +193,19 @@ def test_fp8_collective_compiles_and_quantises(preset: str, arch: str, fmt: str,
         assert count(plain, fp8_only) == 0, f"the BF16 collective has no {fp8_only}"
     if preset.startswith("h200"):
         assert both.report.registers <= COLLECTIVE_REGISTERS, both.report
+
+
+@pytest.mark.parametrize(
+    "fmt, hidden",
+    [("ue8m0-g128-packed", 5248), ("mx-g32", 5152)],  # 41 and 161 groups: 3 padding bytes in a row's last word
+)
+def test_padding_bytes_of_a_partial_scale_word(fmt: str, hidden: int) -> None:
+    """With ``G % 4 != 0`` the last group's lane also zeroes the bytes after it in its word."""
+    from mhc_core.host.compiler import KernelSpec, compile_kernel
+    from mhc_dsv41.config import COLLECTIVE_KERNEL, MHCConfig
+
+    config = MHCConfig(hidden=hidden, hc=4, tp=1, cluster_size=5, threads=128, rank_lanes=1, layer_input_format=fmt)
+    padding = 4 - config.scale_groups % 4
+    assert config.trips == 2 and padding == 3
+    ptx = compile_kernel(KernelSpec(COLLECTIVE_KERNEL, config), "sm_90a", inspect=True, prebuilt=False).ptx
+    assert count(ptx, "st.global.u8") == config.trips * (1 + padding)

@@ -13,6 +13,11 @@ sublayer output rounded to BF16:
 * ``layer_input = bf16(collapse * rsqrt(sum(collapse^2) / hidden + eps) * weight)``,
   the sum of squares reduced over the cluster through distributed shared memory.
 
+With an FP8 ``MHCConfig.layer_input_format`` the layer input is quantised in registers at that
+store (``store_quantized_layer_input``, ``mhc_core.device.quant``): E4M3 codes and one scale per
+group of 128 or 32 columns, in the format's layout, in place of the BF16 layer input or beside it
+(``layer_input_bf16``), bit for bit ``mhc_core.fp8.quantize`` of the BF16 values.
+
 A cluster's first token's residual streams, weight and mixes are loaded into registers, before the
 PDL wait when the op says the kernel right before is a publish (``prefetch``). The persistent
 collective copies its later tokens' streams and mixes (and at tp = 1 their ``x``) into shared
@@ -26,8 +31,9 @@ At tp = 1 a launch with ``direct`` set reads ``x`` itself after the PDL wait (th
 calls: one launch, no publish, no mailbox traffic), with -0 read as +0 as a publish would
 have written it, so its outputs are bitwise the mailbox path's; nothing is polled, re-armed
 or moved on. The MoE finalize and the two-phase form keep the mailbox path. Once the op is poisoned
-(``mhc_core.device.protocol``: an earlier kernel failed) the sums are NaN, so both outputs
-are, and nothing is re-armed or moved on.
+(``mhc_core.device.protocol``: an earlier kernel failed) the sums are NaN, so every output is
+(FP8: every code NaN, 0x7F, every scale NaN: FP32 NaN or UE8M0 0xFF; scale padding stays 0), and
+nothing is re-armed or moved on.
 """
 
 from __future__ import annotations
