@@ -1,6 +1,7 @@
 """The model wheels carry their exported kernels (``tools.export_kernels``, what ``nox -s build``
-runs): every preset kernel of every arch, exported and linked on this CPU-only machine, packed into
-platform wheels, installed into a fresh venv and resolved there from the manifests. On CPU,
+runs): every shipped preset's kernels of every arch (not the test presets'), exported and linked on
+this CPU-only machine, packed into platform wheels, installed into a fresh venv and resolved there
+from the manifests. On CPU,
 "resolved" means: the manifest lookup of the kernel's full key succeeds and its entry point is in
 the library's dynamic symbol table; a library also loads (no CUDA is touched) without the DSL
 compiler being imported."""
@@ -26,11 +27,15 @@ import importlib, subprocess, sys
 from mhc_core.host import artifacts
 from mhc_core.host.compiler import CALLING_CONVENTION
 assert all(str(path).startswith(sys.argv[1]) for path in artifacts.manifests()), artifacts.manifests()
-resolved = 0
+resolved = test_only = 0
 for package in ("mhc_dsv41", "mhc_glm5"):
     presets = importlib.import_module(package + ".presets")
     for name in presets.names():
         module = presets.get(name)
+        if name.startswith("test-"):  # a test's shape: not in the wheels (kernels it shares with a preset are)
+            test_only += sum(artifacts.lookup(artifacts.kernel_key(kernel, arch, CALLING_CONVENTION)) is None
+                             for arch in module.PRESET.archs for kernel in module.kernels(arch).values())
+            continue
         for arch in module.PRESET.archs:
             for kernel in module.kernels(arch).values():
                 key = artifacts.kernel_key(kernel, arch, CALLING_CONVENTION)
@@ -42,6 +47,7 @@ for package in ("mhc_dsv41", "mhc_glm5"):
                                          text=True, check=True).stdout
                 assert "__tvm_ffi_" + key.symbol in symbols, (name, arch, kernel, key.symbol)
                 resolved += 1
+assert test_only >= 3, f"the test presets' own kernels were shipped ({test_only} missing)"
 print(resolved)
 """
 
@@ -116,6 +122,6 @@ def test_a_fresh_venv_resolves_every_preset_kernel(shipped_wheels: dict[str, Pat
     python = tmp_path / "venv" / "bin" / "python3"
     resolve = subprocess.run([python, "-c", RESOLVE, str(purelib)], env=env, capture_output=True, text=True)
     assert resolve.returncode == 0, resolve.stderr[-3000:]
-    assert int(resolve.stdout.split()[-1]) > 100, resolve.stdout
+    assert int(resolve.stdout.split()[-1]) > 90, resolve.stdout  # 99 shipped preset kernels (2026-12-03)
     load = subprocess.run([python, "-c", LOAD], env=env, capture_output=True, text=True)
     assert load.returncode == 0 and load.stdout.split()[-1] == "loaded", load.stderr[-3000:]
