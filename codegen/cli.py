@@ -30,11 +30,11 @@ def plan(outputs: list[Output], root: Path) -> tuple[list[Output], list[Output],
     expected = {output.path for output in outputs}
     orphaned = []
     for model in MODELS.values():
-        directory = model.output_dir(root)
-        if directory.is_dir():
-            orphaned.extend(
-                path for path in sorted(directory.iterdir()) if path.name != "__pycache__" and path not in expected
-            )
+        for directory in model.output_dirs(root):
+            if directory.is_dir():
+                orphaned.extend(
+                    path for path in sorted(directory.iterdir()) if path.name != "__pycache__" and path not in expected
+                )
     return stale, missing, orphaned
 
 

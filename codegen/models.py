@@ -39,8 +39,19 @@ class Model:
     def presets_package(self) -> str:
         return f"{self.package}.presets"
 
+    @property
+    def test_presets_package(self) -> str:
+        return f"tests.presets.{self.key}"
+
     def output_dir(self, root: Path) -> Path:
         return root / "packages" / self.distribution / "src" / self.package / "presets"
+
+    def test_output_dir(self, root: Path) -> Path:
+        """Where the test presets' modules go (``mhc_core.presets.is_test_preset``): the tests', not the package's."""
+        return root / "tests" / "presets" / self.key
+
+    def output_dirs(self, root: Path) -> tuple[Path, Path]:
+        return self.output_dir(root), self.test_output_dir(root)
 
     def preset_type(self) -> type:
         return getattr(importlib.import_module(self.config_module), self.preset_class)

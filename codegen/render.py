@@ -88,17 +88,19 @@ def render_preset(env: jinja2.Environment, preset: Preset, source: str) -> str:
     return env.get_template(PRESET_TEMPLATE).render(context)
 
 
-def render_registry(env: jinja2.Environment, model: Model, presets: list[Preset], source: str) -> str:
-    table = {
-        preset.name: f"{model.presets_package}.{module_name(preset.name)}"
-        for preset in sorted(presets, key=lambda preset: preset.name)
-    }
+def render_registry(
+    env: jinja2.Environment, model: Model, presets: list[Preset], source: str, *, tests: bool = False
+) -> str:
+    """``model``'s registry of ``presets``: the package's (shipped), or with ``tests`` the tests' own."""
+    package = model.test_presets_package if tests else model.presets_package
+    table = {preset.name: f"{package}.{module_name(preset.name)}" for preset in sorted(presets, key=lambda p: p.name)}
     context = {
         "marker": MARKER,
         "template": f"templates/{REGISTRY_TEMPLATE}",
         "model": model.key,
         "source": source,
         "title": model.title,
+        "kind": "test presets" if tests else "presets",
         "config_module": model.config_module,
         "preset_class": model.preset_class,
         "op_module": model.op_module,
@@ -122,17 +124,24 @@ def _check_lines(output: Output) -> None:
 
 def render_all(presets: list[Preset], root: Path, source: str) -> list[Output]:
     """Every file the presets make under ``root``, sorted by path; nothing is written."""
+    from mhc_core.presets import is_test_preset
+
     env = environment()
     outputs = []
     for model in MODELS.values():
         mine = [preset for preset in presets if preset.model is model]
-        directory = model.output_dir(root)
-        outputs.append(
-            Output(directory / "__init__.py", render_registry(env, model, mine, source), f"[{model.key}] registry")
-        )
-        for preset in mine:
-            path = directory / f"{module_name(preset.name)}.py"
-            outputs.append(Output(path, render_preset(env, preset, source), f"[{preset.section}]"))
+        shipped = [preset for preset in mine if not is_test_preset(preset.name)]
+        tested = [preset for preset in mine if is_test_preset(preset.name)]
+        targets = ((model.output_dir(root), shipped, False), (model.test_output_dir(root), tested, True))
+        for directory, group, tests in targets:
+            if tests and not group:
+                continue
+            origin = f"[{model.key}] {'test registry' if tests else 'registry'}"
+            registry = render_registry(env, model, group, source, tests=tests)
+            outputs.append(Output(directory / "__init__.py", registry, origin))
+            for preset in group:
+                path = directory / f"{module_name(preset.name)}.py"
+                outputs.append(Output(path, render_preset(env, preset, source), f"[{preset.section}]"))
     for output in outputs:
         _check_lines(output)
     return sorted(outputs, key=lambda output: str(output.path))

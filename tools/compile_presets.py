@@ -38,6 +38,8 @@ def ensure_importable() -> list[str]:
     installed wheel: this tool checks the tree it ships in); one line per package saying which
     copy is imported."""
     lines = []
+    if str(ROOT) not in sys.path:  # tests.presets: the test presets' registries
+        sys.path.append(str(ROOT))
     for distribution in ("mhc-core", "mhc-dsv41", "mhc-glm5"):
         package = distribution.replace("-", "_")
         src = ROOT / "packages" / distribution / "src"
@@ -110,24 +112,29 @@ def missing_class(path: str) -> bool:
     return not hasattr(module, class_name)
 
 
+def registries(model: str, shipped_only: bool) -> list[ModuleType]:
+    """``model``'s shipped preset registry and, unless ``shipped_only``, the tests' own (the test
+    presets: codegen renders them under ``tests/presets/``, out of the packages)."""
+    found = [importlib.import_module(f"{PACKAGES[model]}.presets")]
+    if not shipped_only and importlib.util.find_spec(f"tests.presets.{model}") is not None:
+        found.append(importlib.import_module(f"tests.presets.{model}"))
+    return found
+
+
 def select_presets(
     models: list[str], wanted: list[str], *, shipped_only: bool = False
 ) -> list[tuple[str, str, ModuleType]]:
     """(model, preset name, generated module) for the chosen presets, in registry order;
-    ``shipped_only``: without the test presets (names starting ``test-``: their kernels stay out of
-    the wheels' libraries)."""
+    ``shipped_only``: without the test presets (their kernels stay out of the wheels' libraries)."""
     chosen = []
     found = set()
     for model in models:
-        registry = importlib.import_module(f"{PACKAGES[model]}.presets")
-        for name in registry.names():
-            if wanted and name not in wanted and f"{model}.{name}" not in wanted:
-                continue
-            if shipped_only and name.startswith("test-"):
-                found.update({name, f"{model}.{name}"})  # known, not exported
-                continue
-            found.update({name, f"{model}.{name}"})
-            chosen.append((model, name, registry.get(name)))
+        for registry in registries(model, shipped_only):
+            for name in registry.names():
+                if wanted and name not in wanted and f"{model}.{name}" not in wanted:
+                    continue
+                found.update({name, f"{model}.{name}"})
+                chosen.append((model, name, registry.get(name)))
     unknown = [name for name in wanted if name not in found]
     if unknown:
         raise SystemExit(f"error: unknown preset(s) {', '.join(unknown)} (models: {', '.join(models)})")

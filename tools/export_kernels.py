@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     models = [args.model] if args.model else list(MODELS)
     libraries = []
     start = time.perf_counter()
-    # An unknown name is an error, for any model; test presets' kernels stay out of the wheels.
+    # An unknown name is an error, for any model; the test presets' kernels stay out of the wheels.
     chosen = select_presets(models, args.preset, shipped_only=True)
     for model in models:
         package = PACKAGES[model]

@@ -14,6 +14,8 @@ OUTPUT_DIRS = {
     "dsv41": Path("packages/mhc-dsv41/src/mhc_dsv41/presets"),
     "glm5": Path("packages/mhc-glm5/src/mhc_glm5/presets"),
 }
+#: Where the test presets (names starting ``test-``) go: the tests', not the packages'.
+TEST_OUTPUT_DIRS = {"dsv41": Path("tests/presets/dsv41"), "glm5": Path("tests/presets/glm5")}
 
 
 def repo_presets() -> dict[str, Any]:
@@ -53,20 +55,25 @@ def write_presets(path: Path, document: dict[str, Any]) -> Path:
 
 
 def make_root(path: Path, *, with_outputs: bool = True) -> Path:
-    """A copy of the packages' src trees under ``path`` (generated presets/ included or not)."""
+    """A copy of the packages' src trees under ``path`` (generated presets/ included or not, the test
+    presets' folders under tests/presets/ too)."""
     # "presets" matches the generated folders only (mhc_core/presets.py is a module of its own).
     ignore = shutil.ignore_patterns("__pycache__", *(() if with_outputs else ("presets",)))
     for distribution in DISTRIBUTIONS:
         source = ROOT / "packages" / distribution / "src"
         shutil.copytree(source, path / "packages" / distribution / "src", ignore=ignore)
+    if with_outputs:
+        for folder in TEST_OUTPUT_DIRS.values():
+            shutil.copytree(ROOT / folder, path / folder, ignore=shutil.ignore_patterns("__pycache__"))
     return path
 
 
 def snapshot(root: Path) -> dict[str, bytes]:
-    """Every file under ``root``'s packages/, by relative path (to show that nothing was written)."""
+    """Every file under ``root``'s packages/ and tests/, by relative path (to show that nothing was written)."""
     return {
         str(file.relative_to(root)): file.read_bytes()
-        for file in sorted((root / "packages").rglob("*"))
+        for top in ("packages", "tests")
+        for file in sorted((root / top).rglob("*"))
         if file.is_file() and "__pycache__" not in file.parts
     }
 

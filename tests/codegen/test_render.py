@@ -17,6 +17,7 @@ from tests.codegen.support import (
     OUTPUT_DIRS,
     PRESETS,
     ROOT,
+    TEST_OUTPUT_DIRS,
     make_root,
     repo_presets,
     snapshot,
@@ -44,10 +45,17 @@ def work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
 
 
 def expected_files() -> set[str]:
+    """Every shipped preset's module and its model's registry in the package; every test preset's
+    module and its model's test registry under tests/presets/."""
     files = set()
     for model, tables in repo_presets().items():
-        files.add(str(OUTPUT_DIRS[model] / "__init__.py"))
-        files.update(str(OUTPUT_DIRS[model] / f"{name.replace('-', '_')}.py") for name in tables)
+        for folder, names in (
+            (OUTPUT_DIRS[model], [name for name in tables if not name.startswith("test-")]),
+            (TEST_OUTPUT_DIRS[model], [name for name in tables if name.startswith("test-")]),
+        ):
+            if names:
+                files.add(str(folder / "__init__.py"))
+                files.update(str(folder / f"{name.replace('-', '_')}.py") for name in names)
     return files
 
 
@@ -91,7 +99,7 @@ def test_deterministic_and_written_only_when_different(
     assert run(capsys, "--presets", presets, "--root", root)[0] == 0
     assert run(capsys, "--presets", presets, "--root", other)[0] == 0
     assert generated(root) == {path: text for path, text in generated(other).items()}
-    times = {path: path.stat().st_mtime_ns for path in (root / "packages").rglob("presets/*.py")}
+    times = {root / path: (root / path).stat().st_mtime_ns for path in expected_files()}
     code, out, _ = run(capsys, "--presets", presets, "--root", root)
     assert code == 0
     assert "wrote" not in out and f"({len(times)} unchanged)" in out
@@ -163,11 +171,12 @@ def test_check_finds_an_edited_file(work: tuple[Path, Path], capsys: pytest.Capt
 def test_check_finds_a_missing_file(work: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
     presets, root = work
     assert run(capsys, "--presets", presets, "--root", root)[0] == 0
-    (root / DSV_DIR / "test_tp4_h7168.py").unlink()
+    test_dir = TEST_OUTPUT_DIRS["dsv41"]
+    (root / test_dir / "test_tp4_h7168.py").unlink()
     code, _, err = run(capsys, "--check", "--presets", presets, "--root", root)
     assert code == 1
-    assert err.splitlines()[0] == f"missing: root/{DSV_DIR}/test_tp4_h7168.py ([dsv41.test-tp4-h7168] renders it)"
-    assert not (root / DSV_DIR / "test_tp4_h7168.py").exists()
+    assert err.splitlines()[0] == f"missing: root/{test_dir}/test_tp4_h7168.py ([dsv41.test-tp4-h7168] renders it)"
+    assert not (root / test_dir / "test_tp4_h7168.py").exists()
 
 
 def test_check_finds_an_orphaned_file(work: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
@@ -175,19 +184,44 @@ def test_check_finds_an_orphaned_file(work: tuple[Path, Path], capsys: pytest.Ca
     presets, root = work
     assert run(capsys, "--presets", presets, "--root", root)[0] == 0
     document = repo_presets()
-    del document["glm5"]["test-tp4-h4608"]
+    del document["glm5"]["h200-tp8-h4096"]
     write_presets(presets, document)
     code, _, err = run(capsys, "--check", "--presets", presets, "--root", root)
     assert code == 1
     assert err.splitlines()[:2] == [
         f"stale: root/{GLM_DIR}/__init__.py (differs from what [glm5] registry renders)",
-        f"orphaned: root/{GLM_DIR}/test_tp4_h4608.py (no preset renders it)",
+        f"orphaned: root/{GLM_DIR}/h200_tp8_h4096.py (no preset renders it)",
     ]
     code, out, _ = run(capsys, "--presets", presets, "--root", root)
     assert code == 0
-    assert f"removed root/{GLM_DIR}/test_tp4_h4608.py (no preset renders it)" in out
-    assert not (root / GLM_DIR / "test_tp4_h4608.py").exists()
+    assert f"removed root/{GLM_DIR}/h200_tp8_h4096.py (no preset renders it)" in out
+    assert not (root / GLM_DIR / "h200_tp8_h4096.py").exists()
     assert run(capsys, "--check", "--presets", presets, "--root", root)[0] == 0
+
+
+def test_test_presets_render_into_the_tests(work: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """Test presets (issue #34) are the tests', not the packages': their modules and registry go under
+    tests/presets/<model>/, the package's registry lists none of them; a model left without test
+    presets has no test registry (its files are orphans, removed by a render)."""
+    presets, root = work
+    assert run(capsys, "--presets", presets, "--root", root)[0] == 0
+    test_dir = TEST_OUTPUT_DIRS["glm5"]
+    assert (root / test_dir / "test_tp4_h4608.py").exists()
+    assert not (root / GLM_DIR / "test_tp4_h4608.py").exists()
+    assert "test-" not in (root / GLM_DIR / "__init__.py").read_text()
+    assert '"test-tp4-h4608": "tests.presets.glm5.test_tp4_h4608"' in (root / test_dir / "__init__.py").read_text()
+    document = repo_presets()
+    del document["glm5"]["test-tp4-h4608"]
+    write_presets(presets, document)
+    code, _, err = run(capsys, "--check", "--presets", presets, "--root", root)
+    assert code == 1
+    assert err.splitlines() == [
+        f"orphaned: root/{test_dir}/__init__.py (no preset renders it)",
+        f"orphaned: root/{test_dir}/test_tp4_h4608.py (no preset renders it)",
+        "2 generated file(s) out of date: run `python3 -m codegen`",
+    ]
+    assert run(capsys, "--presets", presets, "--root", root)[0] == 0
+    assert not list((root / test_dir).glob("*.py"))
 
 
 def test_a_foreign_file_is_not_removed(work: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
@@ -296,7 +330,8 @@ def test_new_preset_is_importable(work: tuple[Path, Path], capsys: pytest.Captur
         assert entry["preset"] == repr(preset)
         assert entry["geometry"] == json.loads(json.dumps(preset.geometry(), default=str))
         assert entry["kernels"] == {arch: list(preset.kernel_specs(arch)) for arch in preset.archs}
-    assert found["new-tp2-h2048"]["names"] == sorted([*repo_presets()["dsv41"], "new-tp2-h2048"])
+    shipped = [name for name in repo_presets()["dsv41"] if not name.startswith("test-")]  # test presets: the tests'
+    assert found["new-tp2-h2048"]["names"] == sorted([*shipped, "new-tp2-h2048"])
     assert found["unknown"].startswith("unknown dsv41 preset 'nope'; known: gb300-tp4-h5120, gb300-tp8-h5120, ")
 
 

@@ -48,6 +48,10 @@ def test_a_test_preset_is_never_found() -> None:
     with pytest.raises(LookupError, match=r"no dsv41 preset for arch sm_90a, tp 4, hidden 7168"):
         mhc_core.find_preset("dsv41", arch="sm_90a", tp=4, hidden=7168)
     assert not [name for name in preset_lookup.shipped_presets("glm5") if name.startswith("test-")]
+    from mhc_dsv41 import presets as shipped
+    from tests import presets as tested
+
+    assert "test-tp4-h7168" not in shipped.names() and "test-tp4-h7168" in tested.names("dsv41")
 
 
 def test_arguments_are_named() -> None:

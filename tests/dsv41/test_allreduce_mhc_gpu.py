@@ -27,15 +27,16 @@ NORM_EPS = 1e-6
 
 
 def preset_names() -> list[str]:
-    from mhc_dsv41 import presets
+    from tests import presets  # shipped and test presets
 
-    return [name for name in presets.names() if name.startswith(("h200-", "gb300-", "test-"))]
+    return [name for name in presets.names("dsv41") if name.startswith(("h200-", "gb300-", "test-"))]
 
 
 def ops_for(name: str) -> list:
-    from mhc_dsv41 import AllReduceMHC, presets
+    from mhc_dsv41 import AllReduceMHC
+    from tests import presets
 
-    preset = presets.get(name).PRESET
+    preset = presets.get("dsv41", name).PRESET
     return cached_ranks(
         ("dsv41", name, CAPACITY),
         preset.tp,
@@ -50,9 +51,10 @@ LOOPING_CLUSTERS = 7
 
 def persistent_ops_for(name: str) -> list:
     """The preset's ops with the persistent collective at every M and ``LOOPING_CLUSTERS`` clusters."""
-    from mhc_dsv41 import AllReduceMHC, presets
+    from mhc_dsv41 import AllReduceMHC
+    from tests import presets
 
-    preset = presets.get(name).PRESET
+    preset = presets.get("dsv41", name).PRESET
     return cached_ranks(
         ("dsv41-persistent", name, CAPACITY),
         preset.tp,

@@ -45,11 +45,11 @@ def test_bf16_is_the_default_and_reads_as_before() -> None:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_format_on_every_preset_geometry(fmt: str) -> None:
-    from mhc_dsv41 import presets
     from mhc_dsv41.config import MHCConfig
+    from tests import presets  # shipped and test presets
 
-    for name in presets.names():
-        preset = presets.get(name).PRESET
+    for name in presets.names("dsv41"):
+        preset = presets.get("dsv41", name).PRESET
         for persistent in (False, True):
             for both in (False, True):
                 fields = preset.collective_config(persistent, layer_input_format=fmt, layer_input_bf16=both)
@@ -60,11 +60,11 @@ def test_every_format_on_every_preset_geometry(fmt: str) -> None:
 
 
 def test_preset_configs_list_the_option() -> None:
-    from mhc_dsv41 import presets
     from mhc_dsv41.config import MHCConfig
+    from tests import presets  # shipped and test presets
 
-    for name in presets.names():
-        module = presets.get(name)
+    for name in presets.names("dsv41"):
+        module = presets.get("dsv41", name)
         for arch in module.PRESET.archs:
             for kernel in ("collective", "collective_persistent"):
                 _, fields = module.KERNELS[arch][kernel]
@@ -146,10 +146,12 @@ def test_the_quantiser_constants_are_mhc_core_fp8s() -> None:
 # ------------------------------------------------------------------ the kernels
 def compiled(preset: str, arch: str, fmt: str, both: bool, persistent: bool):
     from mhc_core.host.compiler import KernelSpec, compile_kernel
-    from mhc_dsv41 import presets
     from mhc_dsv41.config import COLLECTIVE_KERNEL
+    from tests import presets  # shipped and test presets
 
-    fields = presets.get(preset).PRESET.collective_config(persistent, layer_input_format=fmt, layer_input_bf16=both)
+    fields = presets.get("dsv41", preset).PRESET.collective_config(
+        persistent, layer_input_format=fmt, layer_input_bf16=both
+    )
     result = compile_kernel(KernelSpec(COLLECTIVE_KERNEL, fields), arch, inspect=True, prebuilt=False)
     assert result.ptx, "no PTX kept"
     report = result.report
@@ -164,10 +166,10 @@ def compiled(preset: str, arch: str, fmt: str, both: bool, persistent: bool):
 @pytest.mark.parametrize("preset, arch", TARGETS)
 def test_fp8_collective_compiles_and_quantises(preset: str, arch: str, fmt: str, persistent: bool) -> None:
     from mhc_core.constants import VEC_BF16
-    from mhc_dsv41 import presets
     from mhc_dsv41.config import COLLECTIVE_REGISTERS, LAYER_INPUT_FP8_FORMATS
+    from tests import presets  # shipped and test presets
 
-    trips = presets.get(preset).PRESET.trips
+    trips = presets.get("dsv41", preset).PRESET.trips
     group, layout = LAYER_INPUT_FP8_FORMATS[fmt]
     steps = (group // VEC_BF16).bit_length() - 1
     plain = compiled(preset, arch, "bf16", False, persistent).ptx

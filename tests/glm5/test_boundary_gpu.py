@@ -32,15 +32,16 @@ BF16_NEGATIVE_ZERO = -0x8000  # as int16: every empty mailbox slot
 
 
 def preset_names() -> list[str]:
-    from mhc_glm5 import presets
+    from tests import presets  # shipped and test presets
 
-    return list(presets.names())
+    return list(presets.names("glm5"))
 
 
 def ops_for(name: str) -> list:
-    from mhc_glm5 import AllReduceMhcBoundary, presets
+    from mhc_glm5 import AllReduceMhcBoundary
+    from tests import presets
 
-    preset = presets.get(name).PRESET
+    preset = presets.get("glm5", name).PRESET
     return cached_ranks(
         ("glm5", name, CAPACITY),
         preset.tp,
@@ -55,9 +56,10 @@ LOOPING_CLUSTERS = 3
 
 def persistent_ops_for(name: str) -> list:
     """The preset's ops with the persistent boundary at every M and ``LOOPING_CLUSTERS`` clusters."""
-    from mhc_glm5 import AllReduceMhcBoundary, presets
+    from mhc_glm5 import AllReduceMhcBoundary
+    from tests import presets
 
-    preset = dataclasses.replace(presets.get(name).PRESET, cluster_tokens=(), persistent_min_tokens=1)
+    preset = dataclasses.replace(presets.get("glm5", name).PRESET, cluster_tokens=(), persistent_min_tokens=1)
     return cached_ranks(
         ("glm5-persistent", name, CAPACITY),
         preset.tp,
@@ -152,9 +154,9 @@ def test_every_tokens_per_cluster_with_short_last_group(name: str) -> None:
 
 def persistent_default_names() -> list[str]:
     """The presets that turn the persistent boundary on themselves (``persistent_min_tokens``)."""
-    from mhc_glm5 import presets
+    from tests import presets
 
-    return [name for name in preset_names() if presets.get(name).PRESET.persistent_min_tokens]
+    return [name for name in preset_names() if presets.get("glm5", name).PRESET.persistent_min_tokens]
 
 
 @pytest.mark.parametrize("name", persistent_default_names())
@@ -173,10 +175,10 @@ def test_preset_persistent_boundary_from_its_threshold(name: str) -> None:
 
 def persistent_names() -> list[str]:
     """The presets whose shape the persistent boundary fits (hidden 4608 on 8 CTAs does not)."""
-    from mhc_glm5 import presets
     from mhc_glm5.config import persistent_fits
+    from tests import presets
 
-    shapes = {name: presets.get(name).PRESET for name in preset_names()}
+    shapes = {name: presets.get("glm5", name).PRESET for name in preset_names()}
     return [name for name, preset in shapes.items() if persistent_fits(preset.hidden, preset.cluster_size) is None]
 
 

@@ -27,15 +27,11 @@ import importlib, subprocess, sys
 from mhc_core.host import artifacts
 from mhc_core.host.compiler import CALLING_CONVENTION
 assert all(str(path).startswith(sys.argv[1]) for path in artifacts.manifests()), artifacts.manifests()
-resolved = test_only = 0
+resolved = 0
 for package in ("mhc_dsv41", "mhc_glm5"):
     presets = importlib.import_module(package + ".presets")
     for name in presets.names():
         module = presets.get(name)
-        if name.startswith("test-"):  # a test's shape: not in the wheels (kernels it shares with a preset are)
-            test_only += sum(artifacts.lookup(artifacts.kernel_key(kernel, arch, CALLING_CONVENTION)) is None
-                             for arch in module.PRESET.archs for kernel in module.kernels(arch).values())
-            continue
         for arch in module.PRESET.archs:
             for kernel in module.kernels(arch).values():
                 key = artifacts.kernel_key(kernel, arch, CALLING_CONVENTION)
@@ -47,7 +43,6 @@ for package in ("mhc_dsv41", "mhc_glm5"):
                                          text=True, check=True).stdout
                 assert "__tvm_ffi_" + key.symbol in symbols, (name, arch, kernel, key.symbol)
                 resolved += 1
-assert test_only >= 3, f"the test presets' own kernels were shipped ({test_only} missing)"
 print(resolved)
 """
 
@@ -125,3 +120,32 @@ def test_a_fresh_venv_resolves_every_preset_kernel(shipped_wheels: dict[str, Pat
     assert int(resolve.stdout.split()[-1]) > 90, resolve.stdout  # 99 shipped preset kernels (2026-12-03)
     load = subprocess.run([python, "-c", LOAD], env=env, capture_output=True, text=True)
     assert load.returncode == 0 and load.stdout.split()[-1] == "loaded", load.stderr[-3000:]
+
+
+def test_the_test_presets_are_not_shipped(shipped_wheels: dict[str, Path]) -> None:
+    """Test presets (issue #34) are the tests' (``tests.presets``): neither their modules nor their own
+    kernels are in the wheels; kernels they share with a shipped preset are."""
+    from mhc_core.host import artifacts
+    from mhc_core.host.compiler import CALLING_CONVENTION
+    from tests import presets
+
+    for package, module in MODELS.items():
+        model = module.removeprefix("mhc_")
+        with zipfile.ZipFile(shipped_wheels[package]) as archive:
+            names = archive.namelist()
+            shipped = {
+                entry["symbol"]
+                for name in names
+                if name.endswith("/manifest.json")
+                for entry in json.loads(archive.read(name))["kernels"]
+            }
+        tests_only = [name for name in presets.names(model) if name.startswith("test-")]
+        assert tests_only, model
+        missing = 0
+        for name in tests_only:
+            assert not [path for path in names if path.endswith(f"/presets/{name.replace('-', '_')}.py")], name
+            preset = presets.get(model, name)
+            for arch in preset.PRESET.archs:
+                for kernel in preset.kernels(arch).values():
+                    missing += artifacts.kernel_key(kernel, arch, CALLING_CONVENTION).symbol not in shipped
+        assert missing >= 1, f"{package}: every kernel of its test presets was shipped"

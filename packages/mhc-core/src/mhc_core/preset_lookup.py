@@ -4,7 +4,8 @@ neither torch nor the DSL (a ``device`` is asked of torch).
 
 ``find_preset("dsv41", arch="sm_90a", tp=2, hidden=5120)`` returns the preset's module (``PRESET``,
 ``build(...)``); where no shipped preset matches, ``LookupError`` names the closest ones and what
-differs. Test presets (names starting ``test-``) are never returned.
+differs. Test presets (``mhc_core.presets.is_test_preset``: only the tests have them) are never
+returned.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from .constants import ARCH_BY_CAPABILITY, SUPPORTED_ARCHS
+from .presets import is_test_preset
 
 if TYPE_CHECKING:  # each model's preset module type (its registry's ``PresetModule``)
     from mhc_dsv41.presets import PresetModule as DSV41PresetModule
@@ -71,7 +73,7 @@ def shipped_presets(model: str) -> dict[str, ModuleType]:
     if model not in MODELS:
         raise ValueError(f"model: expected one of {', '.join(MODELS)}, got {model!r}")
     registry = importlib.import_module(f"{MODELS[model]}.presets")
-    return {name: registry.get(name) for name in registry.names() if not name.startswith("test-")}
+    return {name: registry.get(name) for name in registry.names() if not is_test_preset(name)}
 
 
 @overload

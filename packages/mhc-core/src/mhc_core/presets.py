@@ -106,6 +106,15 @@ def require_name(value: object) -> None:
     )
 
 
+#: A test preset's name starts so: a shape only the tests run (codegen renders it under ``tests/presets/``,
+#: not into the package: it is neither shipped nor found by ``mhc_core.find_preset``).
+TEST_PREFIX = "test-"
+
+
+def is_test_preset(preset_name: str) -> bool:
+    return preset_name.startswith(TEST_PREFIX)
+
+
 def module_name(preset_name: str) -> str:
     """The generated module's name for a preset name: ``h200-tp2-h4096`` -> ``h200_tp2_h4096``."""
     return preset_name.replace("-", "_")

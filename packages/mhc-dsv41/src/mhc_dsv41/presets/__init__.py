@@ -24,8 +24,6 @@ PRESETS: dict[str, str] = {
     "h200-tp2-h5120": "mhc_dsv41.presets.h200_tp2_h5120",
     "h200-tp4-h5120": "mhc_dsv41.presets.h200_tp4_h5120",
     "h200-tp8-h5120": "mhc_dsv41.presets.h200_tp8_h5120",
-    "test-hc8-h5120": "mhc_dsv41.presets.test_hc8_h5120",
-    "test-tp4-h7168": "mhc_dsv41.presets.test_tp4_h7168",
 }
 
 

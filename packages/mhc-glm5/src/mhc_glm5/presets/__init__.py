@@ -23,7 +23,6 @@ PRESETS: dict[str, str] = {
     "h200-tp2-h4096": "mhc_glm5.presets.h200_tp2_h4096",
     "h200-tp4-h4096": "mhc_glm5.presets.h200_tp4_h4096",
     "h200-tp8-h4096": "mhc_glm5.presets.h200_tp8_h4096",
-    "test-tp4-h4608": "mhc_glm5.presets.test_tp4_h4608",
 }
 
 
