@@ -4,7 +4,7 @@ loading one without compiling.
 A kernel's **key** is everything its binary depends on: the kernel class (``package.module:Class``),
 its config, the arch, the DSL release, the calling convention and a hash of the code of every
 project module the kernel's module imports, transitively (parsed: nothing is imported). The hash
-covers each module's normal form, ``ast.dump`` of its syntax tree without docstrings: comments,
+covers each module's normal form, its syntax tree without docstrings (``source_form``): comments,
 docstrings and formatting do not change a key, so a harmless edit of an installed module keeps its
 shipped kernels; any change of code does, and the warning (or the error of a host without the
 compiler) names the modules whose code changed since the kernels were built (``changed_sources``).
@@ -67,6 +67,7 @@ from typing import Any
 from ..device.kernel import KernelSpec
 from ..device.signature import Signature, from_json, to_json
 from . import cache_files
+from .source_form import normal_form
 
 #: The packages whose modules enter a kernel's source hash.
 PROJECT_PACKAGES = ("mhc_core", "mhc_dsv41", "mhc_glm5")
@@ -146,24 +147,6 @@ def _type_checking_only(tree: ast.AST) -> set[int]:
             for statement in node.body:
                 skipped.update(id(inner) for inner in ast.walk(statement))
     return skipped
-
-
-def _without_docstrings(tree: ast.AST) -> ast.AST:
-    """``tree`` with the docstring of its module, classes and functions removed (in place); a body
-    left empty gets ``pass``, as the code would need."""
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            body = node.body
-            first = body[0].value if body and isinstance(body[0], ast.Expr) else None
-            if isinstance(first, ast.Constant) and isinstance(first.value, str):
-                node.body = body[1:] or [ast.Pass()]
-    return tree
-
-
-def normal_form(tree: ast.AST) -> bytes:
-    """What a kernel's key hashes of a module: its syntax tree without docstrings, positions or
-    comments (``ast.dump``). Formatting, comments and docstrings leave it as it is."""
-    return ast.dump(_without_docstrings(tree), include_attributes=False).encode()
 
 
 @functools.cache
