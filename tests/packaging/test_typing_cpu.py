@@ -115,3 +115,26 @@ def test_public_names_have_their_real_types(tmp_path: Path, monkeypatch: pytest.
     flagged = {int(number) for number in re.findall(r"engine\.py:(\d+): error", output)}
     expected = set(range(first, first + 11))
     assert expected <= flagged, f"lines typed Any (not flagged): {sorted(expected - flagged)}\n{output}"
+
+
+def test_pyright_sees_the_same_types(tmp_path: Path) -> None:
+    """pyright (where installed: ``nox -s tests`` installs it; it runs on node) flags the misspelt name and
+    every line of ``NOT_ANY`` too."""
+    import shutil
+    import subprocess
+    import sys
+
+    pyright = shutil.which("pyright", path=str(Path(sys.executable).parent)) or shutil.which("pyright")
+    if pyright is None:
+        pytest.skip("pyright is not installed (nox -s tests installs it)")
+    script = tmp_path / "engine.py"
+    script.write_text("import mhc_core\n\nmhc_core.is_supportd()\n" + NOT_ANY)
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(str(source) for source in SOURCES)}
+    done = subprocess.run(
+        [pyright, "--pythonpath", sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path
+    )
+    if done.returncode not in (0, 1):  # pyright could not start (its node package is fetched on first use)
+        pytest.skip(f"pyright did not run: {(done.stdout + done.stderr)[-500:]}")
+    flagged = {int(number) for number in re.findall(r"engine\.py:(\d+):\d+ - error", done.stdout)}
+    first = 3 + NOT_ANY.splitlines().index("    a: str = mhc_core.is_supported()") + 1
+    assert {3, *range(first, first + 11)} <= flagged, done.stdout
