@@ -27,6 +27,12 @@ class DeviceKernel:
     def signature(self) -> Signature:
         raise NotImplementedError
 
+    def entry(self) -> Any:
+        """The ``@cute.jit`` function ``compile_kernel`` compiles; its parameters must be exactly
+        ``signature()``'s (TVM-FFI expects every parameter, a defaulted ``None`` one included).
+        The instance itself (its ``__call__``) unless a class has one entry per config."""
+        return self
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config})"
 

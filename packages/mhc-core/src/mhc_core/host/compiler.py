@@ -216,13 +216,15 @@ def _compile(kernel: DeviceKernel | None, spec: KernelSpec, arch: str, inspect: 
     fakes = fake_arguments(signature)
     start = time.perf_counter()
     if not inspect:
-        function = cute.compile(kernel, *fakes, options=options)
+        function = cute.compile(kernel.entry(), *fakes, options=options)
         seconds = time.perf_counter() - start
         return CompiledKernel(spec, arch, signature, function, kernel, report=CompileReport(seconds=seconds))
     with tempfile.TemporaryDirectory(prefix="mhc-ptx-") as dump:
         captured = io.StringIO()
         with contextlib.redirect_stderr(captured):
-            function = cute.compile(kernel, *fakes, options=f"{options} --keep-ptx --dump-dir {dump} remarks{{ptx}}")
+            function = cute.compile(
+                kernel.entry(), *fakes, options=f"{options} --keep-ptx --dump-dir {dump} remarks{{ptx}}"
+            )
         report = parse_ptxas_report(captured.getvalue(), time.perf_counter() - start)
         return CompiledKernel(spec, arch, signature, function, kernel, ptx=function.__ptx__, report=report)
 
