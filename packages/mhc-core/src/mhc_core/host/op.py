@@ -65,7 +65,7 @@ from ..device.configs import (
 from ..presets import MAX_TOP_K
 from . import artifacts, library
 from .allocation import choose_allocation, device_identity, requested_allocation
-from .calls import ROWS, M, Rule, TensorRule, check_call, tensor
+from .calls import ROWS, M, Rule, TensorRule, check_call, check_storage, tensor
 from .compiler import LOG, CompiledKernel, KernelSpec, compile_kernel, device_arch
 from .groups import SUPPORTED_TP, normalize_device, resolve_group
 from .mailbox import LamportMailbox, mailbox_elements, resolve_transport
@@ -524,6 +524,8 @@ class LamportOp:
                 self._explain(program, values, None if m < 0 else m, rules=rules, error=error)
         else:
             outputs = self._outputs(out, program)
+            if program.sized_outputs:
+                self._check_storage(program, values, outputs, m, rules)
         join, side = self._events(capture) if program.has_side else (0, 0)
         if not capture:
             flags |= RECORD_DONE
@@ -540,9 +542,23 @@ class LamportOp:
             self._launched(capture, values, outputs)
         return outputs if program.outputs else m
 
+    def _check_storage(
+        self, program: Program, values: tuple[Any, ...], outputs: tuple[Any, ...], m: int, rules: Any
+    ) -> None:
+        """Given outputs hold the storage the kernels write past their views (``calls.check_storage``:
+        what the native checks cannot see). On a failure every rule runs first, so that a wrong shape
+        or dtype is named as such."""
+        for index, rule in program.sized_outputs:
+            try:
+                check_storage(rule, outputs[index])
+            except ValueError as error:
+                self._explain(program, values, None if m < 0 else m, outputs, rules=rules, error=error)
+
     def _check(self, program: Program, values: tuple[Any, ...], out: Any, *, m: int = -1, rules: Any = None) -> int:
         """Validate a program's values (and ``out``) without launching; M."""
         outputs = program.no_outputs if out is None else self._outputs(out, program)
+        if out is not None and program.sized_outputs:
+            self._check_storage(program, values, outputs, m, rules)
         try:
             return int(program.native(CHECK_ONLY, m, -1, 0, 0, *values, *outputs))
         except (TypeError, ValueError) as error:

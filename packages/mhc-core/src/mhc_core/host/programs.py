@@ -27,7 +27,7 @@ import tvm_ffi
 
 from ..device.signature import Buffer, Ptr, Signature, Stream
 from . import native
-from .calls import ROWS, M, Rule, ScalarRule, TensorRule
+from .calls import ROWS, Aligned, Dim, M, Rule, ScalarRule, TensorRule
 
 #: ``flags`` bits (``executor.cc``).
 CHECK_ONLY = 1
@@ -35,14 +35,19 @@ AFTER_PUBLISH_FLAG = 2
 JOIN_EXTERNAL = 4
 RECORD_DONE = 8
 
+#: DLPack (type code, bits) of every dtype a rule may name (``dlpack.h``: kDLInt 0, kDLUInt 1,
+#: kDLFloat 2, kDLBfloat 4, kDLFloat8_e4m3fn 10; torch exports float8_e4m3fn as 10 from 2.11 on).
 _DLPACK_DTYPES = {
     torch.bfloat16: (4, 16),
     torch.float16: (2, 16),
     torch.float32: (2, 32),
     torch.int32: (0, 32),
     torch.int64: (0, 64),
+    torch.uint8: (1, 8),
+    torch.float8_e4m3fn: (10, 8),
 }
-_DIMS = {M: -1, ROWS: -2}
+#: A dimension's base in the executor's encoding (``executor.cc``, ``Dim``): a literal, M, the rows.
+_BASES = {M: 1, ROWS: 2}
 
 
 @dataclass(frozen=True)
@@ -97,8 +102,24 @@ def _dtype(dtype: torch.dtype) -> list[int]:
     return list(_DLPACK_DTYPES[dtype])
 
 
-def _shape(shape: Sequence[int | str]) -> list[int]:
-    return [_DIMS[dim] if isinstance(dim, str) else int(dim) for dim in shape]
+def _dim(dim: Dim) -> list[int]:
+    """``[base, to, times]``: the extent ``times`` (base 0), or ``align(M or rows, to) * times``."""
+    if isinstance(dim, Aligned):
+        return [_BASES[dim.base], dim.to, dim.times]
+    if isinstance(dim, str):
+        return [_BASES[dim], 1, 1]
+    return [0, 1, int(dim)]
+
+
+def _shape(shape: Sequence[Dim]) -> list[int]:
+    """A shape (or strides) as the executor takes it: each dimension's three numbers, flat."""
+    return [number for dim in shape for number in _dim(dim)]
+
+
+def _encode_output(output: TensorRule, aliases: list[int]) -> list[Any]:
+    strides = [] if output.strides is None else _shape(output.strides)
+    storage = [] if output.storage is None else _dim(output.storage)
+    return [_dtype(output.dtypes[0]), _shape(output.shapes[0]), aliases, strides, storage]
 
 
 def _encode_rule(rule: Rule) -> list[Any]:
@@ -148,7 +169,7 @@ class Program:
         device = [2 if self.device.type == "cuda" else 1, self.device.index or 0]
         self.native = native.library()["make_program"](
             [_encode_rule(rule) for rule in self.rules],
-            [[_dtype(rule.dtypes[0]), _shape(rule.shapes[0]), self._aliases(rule)] for rule in self.outputs],
+            [_encode_output(rule, self._aliases(rule)) for rule in self.outputs],
             launches,
             device,
             self.capacity,
@@ -156,6 +177,8 @@ class Program:
         )
         #: ``None`` for every output: the program allocates them.
         self.no_outputs = (None,) * len(self.outputs)
+        #: Outputs whose storage a given ``out=`` tensor must hold past its view (``calls.check_storage``).
+        self.sized_outputs = tuple((index, rule) for index, rule in enumerate(self.outputs) if rule.storage is not None)
         #: Whether a launch runs on the side stream (the op then passes its join and side events).
         self.has_side = any(launch.side for launch in self.launches)
 

@@ -60,10 +60,11 @@ def check_tensor(
     dtype: torch.dtype | Sequence[torch.dtype],
     device: torch.device,
     align: int = 16,
+    strides: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """A contiguous tensor of one of the given shapes and dtypes on ``device``,
-    its first element aligned to ``align`` bytes (every kernel moves 16-byte
-    fragments or reads scalars at their natural alignment)."""
+    """A contiguous tensor (or one of the given ``strides``) of one of the given shapes and dtypes on
+    ``device``, its first element aligned to ``align`` bytes (every kernel moves 16-byte fragments
+    or reads scalars at their natural alignment)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
     dtypes = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
@@ -76,7 +77,12 @@ def check_tensor(
         raise ValueError(f"{name}: expected shape {expected}, got {_shape(tensor.shape)}")
     if tensor.device != device:
         raise ValueError(f"{name}: expected device {device}, got {tensor.device}")
-    if not tensor.is_contiguous():
+    if strides is not None:
+        # As torch's contiguity: a dimension of extent 1 may have any stride.
+        actual = tuple(tensor.stride())
+        if any(extent != 1 and got != want for extent, got, want in zip(tensor.shape, actual, strides, strict=True)):
+            raise ValueError(f"{name}: expected strides {tuple(strides)}, got {actual}")
+    elif not tensor.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor, got strides {tuple(tensor.stride())}")
     if tensor.data_ptr() % align:
         raise ValueError(f"{name}: expected a {align}-byte aligned data pointer, got address {tensor.data_ptr():#x}")

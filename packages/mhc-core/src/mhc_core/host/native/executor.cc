@@ -10,10 +10,11 @@
 // as a foreign storage):
 //
 //   1. every parameter is checked (dtype, shape with the token count M / MoE rows bound from
-//      their leading extents, device, contiguity as torch defines it, alignment; scalars normal
-//      FP32 values > 0), and the outputs' memory against the parameters' and each other's: an
-//      output may be one of the parameters its rule names (the same bytes exactly: in place),
-//      and overlaps nothing else. Nothing is launched before all pass. A failing call raises a
+//      their leading extents, device, contiguity as torch defines it or an output's own strides,
+//      alignment; scalars normal FP32 values > 0), and the outputs' memory against the
+//      parameters' and each other's: an output may be one of the parameters its rule names (the
+//      same bytes exactly: in place), and overlaps nothing else. An output's memory is its view,
+//      or the storage its rule gives (the FP8 scale layouts' padding rows lie past the view). Nothing is launched before all pass. A failing call raises a
 //      ValueError whose message starts "mhc-invalid"; the Python side then runs the same rules
 //      with the project's messages (`mhc_core.host.calls.check_call`), so the rules live in one
 //      declaration and the messages in one place;
@@ -46,9 +47,19 @@ namespace mhc {
 namespace ffi = tvm::ffi;
 
 // ------------------------------------------------------------------ the program's description
-// Dimension codes in a shape: >= 0 is a literal extent.
-constexpr int64_t kDimM = -1;     // the call's token count
-constexpr int64_t kDimRows = -2;  // the MoE expert output's rows
+// An extent, stride or storage size: `times` (base 0), or align(M or rows, to) * times.
+struct Dim {
+  enum Base : int64_t { kLiteral = 0, kM = 1, kRows = 2 };
+  int64_t base = kLiteral;
+  int64_t to = 1;
+  int64_t times = 0;
+
+  int64_t resolve(int64_t m, int64_t rows) const {
+    if (base == kLiteral) return times;
+    const int64_t count = base == kM ? m : rows;
+    return (count + to - 1) / to * to * times;
+  }
+};
 
 // Where a kernel argument comes from.
 enum Source : int64_t {
@@ -69,11 +80,13 @@ constexpr int64_t kRecordDone = 8;    // record the op's done event on the curre
 struct Rule {
   bool tensor = true;  // else a scalar: a finite float or int > 0
   std::vector<DLDataType> dtypes;
-  std::vector<std::vector<int64_t>> shapes;
+  std::vector<std::vector<Dim>> shapes;
   int64_t align = 16;  // 0: the dtype's size
   bool binds_m = false;
   bool binds_rows = false;
   std::vector<int64_t> aliases;  // an output's: the parameters it may be exactly (in place)
+  std::vector<Dim> strides;      // an output's strides; empty: contiguous
+  std::optional<Dim> storage;    // an output's elements written from its first, past its view
 };
 
 struct Arg {
@@ -161,11 +174,26 @@ bool contiguous(const DLTensor* t) {
   return true;
 }
 
-bool shape_matches(const DLTensor* t, const std::vector<int64_t>& shape, int64_t m, int64_t rows) {
+bool shape_matches(const DLTensor* t, const std::vector<Dim>& shape, int64_t m, int64_t rows) {
   if (t->ndim != static_cast<int>(shape.size())) return false;
   for (size_t d = 0; d < shape.size(); ++d) {
-    int64_t want = shape[d] == kDimM ? m : shape[d] == kDimRows ? rows : shape[d];
-    if (t->shape[d] != want) return false;
+    if (t->shape[d] != shape[d].resolve(m, rows)) return false;
+  }
+  return true;
+}
+
+// Dimension d's stride (DLPack's null strides: compact row-major).
+int64_t stride(const DLTensor* t, int d) {
+  if (t->strides != nullptr) return t->strides[d];
+  int64_t compact = 1;
+  for (int e = d + 1; e < t->ndim; ++e) compact *= t->shape[e];
+  return compact;
+}
+
+// As torch's contiguity: every dimension of extent != 1 has the given stride (the shape matched).
+bool strides_match(const DLTensor* t, const std::vector<Dim>& strides, int64_t m, int64_t rows) {
+  for (int d = 0; d < t->ndim; ++d) {
+    if (t->shape[d] != 1 && stride(t, d) != strides[static_cast<size_t>(d)].resolve(m, rows)) return false;
   }
   return true;
 }
@@ -181,7 +209,8 @@ void check_tensor(int index, const DLTensor* t, const Rule& rule, const DLDevice
   if (t->device.device_type != device.device_type || t->device.device_id != device.device_id) {
     reject(index, "device");
   }
-  if (!contiguous(t)) reject(index, "contiguity");
+  if (rule.strides.empty() && !contiguous(t)) reject(index, "contiguity");
+  if (!rule.strides.empty() && !strides_match(t, rule.strides, m, rows)) reject(index, "strides");
   int64_t align = rule.align ? rule.align : (t->dtype.bits * t->dtype.lanes + 7) / 8;
   auto address = reinterpret_cast<uintptr_t>(t->data) + t->byte_offset;
   if (address % static_cast<uintptr_t>(align)) reject(index, "alignment");
@@ -196,9 +225,19 @@ struct Span {
   bool operator==(const Span& other) const { return first == other.first && last == other.last; }
 };
 
-Span span(const DLTensor* t) {
+// A checked tensor's view (contiguous, or with its rule's strides), or its rule's storage.
+Span span(const DLTensor* t, const Rule& rule, int64_t m, int64_t rows) {
   int64_t elements = 1;
-  for (int d = 0; d < t->ndim; ++d) elements *= t->shape[d];
+  if (rule.storage) {
+    elements = rule.storage->resolve(m, rows);
+  } else if (!rule.strides.empty()) {
+    for (int d = 0; d < t->ndim; ++d) {
+      if (t->shape[d] == 0) elements = 0;
+    }
+    for (int d = 0; d < t->ndim && elements; ++d) elements += (t->shape[d] - 1) * stride(t, d);
+  } else {
+    for (int d = 0; d < t->ndim; ++d) elements *= t->shape[d];
+  }
   uintptr_t first = reinterpret_cast<uintptr_t>(t->data) + t->byte_offset;
   return Span{first, first + static_cast<uintptr_t>(elements * ((t->dtype.bits * t->dtype.lanes + 7) / 8))};
 }
@@ -276,12 +315,13 @@ struct Call {
     for (size_t o = 0; o < program.outputs.size(); ++o) {
       const DLTensor* out = tensors[n_rules + o];
       if (out == nullptr) continue;
-      const Span mine = span(out);
+      const Span mine = span(out, program.outputs[o], m, rows);
       if (mine.first == mine.last) continue;
       const std::vector<int64_t>& aliases = program.outputs[o].aliases;
       for (size_t i = 0; i < n_rules + o; ++i) {  // the parameters, then the outputs before this one
         if (tensors[i] == nullptr) continue;
-        const Span theirs = span(tensors[i]);
+        const Span theirs = i < n_rules ? span(tensors[i], program.rules[i], m, rows)
+                                        : span(tensors[i], program.outputs[i - n_rules], m, rows);
         if (!mine.overlaps(theirs)) continue;
         bool in_place = false;
         for (int64_t alias : aliases) in_place = in_place || static_cast<size_t>(alias) == i;
@@ -349,10 +389,24 @@ DLDataType to_dtype(const ffi::Array<int64_t>& code_bits) {
   return DLDataType{static_cast<uint8_t>(code_bits[0]), static_cast<uint8_t>(code_bits[1]), 1};
 }
 
-std::vector<int64_t> to_shape(const ffi::Array<int64_t>& dims) { return std::vector<int64_t>(dims.begin(), dims.end()); }
+std::vector<int64_t> to_ints(const ffi::Array<int64_t>& values) {
+  return std::vector<int64_t>(values.begin(), values.end());
+}
 
-// `rules`: [tensor?, align, binds_m?, binds_rows?, [[code, bits] ...], [[dim ...] ...]] per parameter.
-// `outputs`: [[code, bits], [dim ...], [parameter it may alias ...]] per output. `launches`: [stream, [min_tokens ...],
+// [base, to, times] per dimension, flat (`mhc_core.host.programs._shape`).
+std::vector<Dim> to_shape(const ffi::Array<int64_t>& numbers) {
+  if (numbers.size() % 3) TVM_FFI_THROW(ValueError) << "mhc: a shape takes three numbers per dimension";
+  std::vector<Dim> dims;
+  for (size_t i = 0; i < numbers.size(); i += 3) {
+    dims.push_back(Dim{numbers[i], numbers[i + 1], numbers[i + 2]});
+    if (dims.back().to < 1) TVM_FFI_THROW(ValueError) << "mhc: a dimension aligned to " << dims.back().to;
+  }
+  return dims;
+}
+
+// `rules`: [tensor?, align, binds_m?, binds_rows?, [[code, bits] ...], [shape ...]] per parameter, a
+// shape three numbers per dimension (`to_shape`). `outputs`: [[code, bits], shape, [parameter it may
+// alias ...], strides (empty: contiguous), storage (empty, or one dimension's three)] per output. `launches`: [stream, [min_tokens ...],
 // [function ...], [[source, index, fixed] ...]] per launch. `device`: [device_type, device_id].
 // `events`: [side_stream, fork_event, done_event] (raw handles; 0: none).
 ffi::Function make_program(ffi::Array<ffi::Array<ffi::Any>> rules, ffi::Array<ffi::Array<ffi::Any>> outputs,
@@ -373,14 +427,21 @@ ffi::Function make_program(ffi::Array<ffi::Array<ffi::Any>> rules, ffi::Array<ff
     Rule rule;
     rule.dtypes = {to_dtype(o[0].cast<ffi::Array<int64_t>>())};
     rule.shapes = {to_shape(o[1].cast<ffi::Array<int64_t>>())};
-    rule.aliases = to_shape(o[2].cast<ffi::Array<int64_t>>());
+    rule.aliases = to_ints(o[2].cast<ffi::Array<int64_t>>());
+    rule.strides = to_shape(o[3].cast<ffi::Array<int64_t>>());
+    if (!rule.strides.empty() && rule.strides.size() != rule.shapes[0].size()) {
+      TVM_FFI_THROW(ValueError) << "mhc: an output's strides need one entry per dimension";
+    }
+    const std::vector<Dim> storage = to_shape(o[4].cast<ffi::Array<int64_t>>());
+    if (storage.size() > 1) TVM_FFI_THROW(ValueError) << "mhc: an output's storage is one dimension";
+    if (!storage.empty()) rule.storage = storage[0];
     program->outputs.push_back(std::move(rule));
   }
   for (const auto& l : launches) {
     Launch launch;
     launch.stream = l[0].cast<int64_t>();
     launch.forks_side = l[1].cast<int64_t>() != 0;
-    launch.min_tokens = to_shape(l[2].cast<ffi::Array<int64_t>>());
+    launch.min_tokens = to_ints(l[2].cast<ffi::Array<int64_t>>());
     for (const auto& f : l[3].cast<ffi::Array<ffi::Function>>()) launch.variants.push_back(f);
     if (launch.variants.empty() || launch.variants.size() != launch.min_tokens.size()) {
       TVM_FFI_THROW(ValueError) << "mhc: a launch needs one min_tokens entry per variant";
