@@ -42,6 +42,8 @@ PRESET = GLM5Preset(
     mixes_threads=128,
     persistent_min_tokens=0,
     tuned=False,
+    layer_input_format="bf16",
+    layer_input_bf16=False,
     description="test shape: hidden 4608, not a multiple of the 1024-element publish tile, TP4",
 )
 
@@ -122,6 +124,8 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "mixed_fma": False,
                 "tokens": 1,
                 "persistent": False,
+                "layer_input_format": "bf16",
+                "layer_input_bf16": False,
             },
         ),
         "boundary_x2": (
@@ -136,6 +140,8 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "mixed_fma": False,
                 "tokens": 2,
                 "persistent": False,
+                "layer_input_format": "bf16",
+                "layer_input_bf16": False,
             },
         ),
         "boundary_x8": (
@@ -150,6 +156,8 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "mixed_fma": False,
                 "tokens": 8,
                 "persistent": False,
+                "layer_input_format": "bf16",
+                "layer_input_bf16": False,
             },
         ),
         "mixes": (

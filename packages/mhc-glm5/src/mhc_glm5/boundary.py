@@ -40,31 +40,51 @@ The boundary kernels (this one, ``mhc_glm5.grouped``, ``mhc_glm5.grouped_mma`` a
 ``mhc_glm5.persistent``) share one device entry, ``BoundaryKernel.kernel`` (one parameter list:
 ``boundary_signature``), and their stages (``mhc_glm5.stages``); each class's ``body`` wires the
 stages for its thread mapping.
+
+With an FP8 ``BoundaryConfig.layer_input_format`` (issue #33) each kernel quantises its layer input
+in registers at the norm's store (``mhc_glm5.fp8_store``, where the group placement is explained):
+E4M3 codes and one scale per group, in place of the BF16 layer input or beside it
+(``layer_input_bf16``), bit for bit ``mhc_core.fp8.quantize`` of the BF16 values; the signature
+appends ``layer_input_q`` and ``layer_input_scales``. A poisoned op writes NaN codes (0x7F) and NaN
+scales (FP32 NaN, UE8M0 0xFF); scale padding stays 0. A BF16 config's repr, signature and PTX are
+what they were before the option existed.
 """
 
 from __future__ import annotations
 
 from collections import namedtuple
 from dataclasses import dataclass
+from typing import Any
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Boolean, Float32, Int32, Int64, Uint32
+from cutlass import BFloat16, Boolean, Float8E4M3FN, Float32, Int32, Int64, Uint8, Uint32
 
 from mhc_core.constants import VEC_BF16, WARP_SIZE
-from mhc_core.device import protocol, ptx, reduce
+from mhc_core.device import protocol, ptx, quant, reduce
 from mhc_core.device.collective import mailbox_params
 from mhc_core.device.kernel import DeviceKernel
 from mhc_core.device.signature import Buffer, Param, Ptr, Scalar, Signature, Stream
 
 from . import fn_stage, stages
 from .config import (
+    CUDA_CORE_FRAGMENTS_PER_WARP,
     FN_ROTATION_STREAMS,
     HC,
+    LAYER_INPUT_BF16,
+    LAYER_INPUT_FIELDS,
+    LAYER_INPUT_FP8_FORMATS,
     VALUES,
     boundary_launch_shared_bytes,
     boundary_threads,
+    check_layer_input,
 )
+from .fp8_store import Fp8Outputs, Fp8Store
+
+#: The scale tensor's element type per layout (``mhc_core.fp8.Fp8Format.scale_dtype``).
+SCALE_DTYPES = {quant.ROW_MAJOR: Float32, quant.MN_MAJOR_PACKED: Int32, quant.SWIZZLED_128X4: Uint8}
+#: Scales are stored 4 bytes at a time at most (an FP32 scale, a padding word).
+SCALE_ALIGN = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +104,38 @@ class BoundaryConfig:
     #: The persistent tensor-core boundary: ``clusters`` clusters, each looping over groups of
     #: ``tokens`` (``mhc_glm5.persistent``).
     persistent: bool = False
+    #: The layer input's format (``mhc_glm5.config.LAYER_INPUT_FORMATS``): BF16, or FP8 E4M3
+    #: quantised at the norm's store (``mhc_glm5.fp8_store``); with ``layer_input_bf16`` the BF16
+    #: layer input is stored beside it.
+    layer_input_format: str = LAYER_INPUT_BF16
+    layer_input_bf16: bool = False
+
+    def __post_init__(self) -> None:
+        check_layer_input(self.hidden, self.cluster_size, self.layer_input_format, self.layer_input_bf16)
+
+    def __repr__(self) -> str:
+        # The kernel's symbol name is built from this text: a BF16 config reads as it did before the
+        # layer-input fields existed, so the BF16 kernels' PTX is unchanged.
+        shown = [
+            f"{name}={getattr(self, name)!r}"
+            for name in self.__dataclass_fields__
+            if name not in LAYER_INPUT_FIELDS or self.quantizes
+        ]
+        return f"{type(self).__name__}({', '.join(shown)})"
+
+    @property
+    def quantizes(self) -> bool:
+        """Whether the layer input is FP8 (with its scales)."""
+        return self.layer_input_format != LAYER_INPUT_BF16
+
+    @property
+    def stores_bf16_layer_input(self) -> bool:
+        return not self.quantizes or self.layer_input_bf16
+
+    @property
+    def scale_layout(self) -> str:
+        """Where each scale goes (``mhc_core.fp8.Fp8Format.layout``; FP8 formats only)."""
+        return LAYER_INPUT_FP8_FORMATS[self.layer_input_format][1]
 
     @property
     def fragments(self) -> int:
@@ -102,8 +154,11 @@ class BoundaryConfig:
         return self.threads // WARP_SIZE
 
 
-def boundary_signature() -> Signature:
-    return (
+def boundary_signature(config: BoundaryConfig | None = None) -> Signature:
+    """Every boundary kernel's parameters; an FP8 ``config`` appends ``layer_input_q`` (E4M3
+    ``[M, hidden]``) and ``layer_input_scales`` (its layout's allocation), and ``layer_input`` is
+    then written only with ``layer_input_bf16`` (any 16-byte aligned address otherwise)."""
+    params: Signature = (
         Param("residual", Ptr(BFloat16)),
         Param("post", Ptr(Float32, 4)),
         Param("comb", Ptr(Float32, 4)),
@@ -124,6 +179,12 @@ def boundary_signature() -> Signature:
         Param("m", Scalar(Int32)),
         Param("stream", Stream()),
     )
+    if config is not None and config.quantizes:
+        params += (
+            Param("layer_input_q", Ptr(Float8E4M3FN)),
+            Param("layer_input_scales", Ptr(SCALE_DTYPES[config.scale_layout], SCALE_ALIGN)),
+        )
+    return params
 
 
 #: The device entry's arguments by name (``boundary_signature`` without what only the launch takes:
@@ -149,18 +210,48 @@ class BoundaryKernel(DeviceKernel):
     config_type = BoundaryConfig
 
     def signature(self) -> Signature:
-        return boundary_signature()
+        return boundary_signature(self.config)
+
+    def entry(self) -> Any:
+        """The ``@cute.jit`` function to compile: its parameters are exactly ``signature()``'s (TVM-FFI
+        counts a defaulted ``None`` parameter as one every caller passes), so a BF16 config's has no
+        FP8 outputs."""
+        return self.call_quantized if self.config.quantizes else self.__call__
 
     @cute.jit
     def __call__(
         self, residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input, x,
         prefetch, direct, mailbox, stage_state, capacity, spin_limit_ns, error_flag, arrivals, clusters, m, stream,
     ):  # fmt: skip
+        self._launch(
+            residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input, x, prefetch, direct,
+            mailbox, stage_state, capacity, spin_limit_ns, error_flag, arrivals, clusters, m, stream, None, None,
+        )  # fmt: skip
+
+    @cute.jit
+    def call_quantized(
+        self, residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input, x,
+        prefetch, direct, mailbox, stage_state, capacity, spin_limit_ns, error_flag, arrivals, clusters, m, stream,
+        layer_input_q, layer_input_scales,
+    ):  # fmt: skip
+        self._launch(
+            residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input, x, prefetch, direct,
+            mailbox, stage_state, capacity, spin_limit_ns, error_flag, arrivals, clusters, m, stream, layer_input_q,
+            layer_input_scales,
+        )  # fmt: skip
+
+    def _launch(
+        self, residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input, x,
+        prefetch, direct, mailbox, stage_state, capacity, spin_limit_ns, error_flag, arrivals, clusters, m, stream,
+        layer_input_q, layer_input_scales,
+    ):  # fmt: skip
+        """Traced inside either entry (a plain method: the DSL inlines it)."""
         config = self.config
         groups = stages.group_count(m, config.tokens)
         self.kernel(
             residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input, x, prefetch,
-            direct, mailbox, stage_state, capacity, spin_limit_ns, error_flag, arrivals, m,
+            direct, mailbox, stage_state, capacity, spin_limit_ns, error_flag, arrivals, m, layer_input_q,
+            layer_input_scales,
         ).launch(
             grid=(cutlass.min(groups, clusters) if config.persistent else groups, config.cluster_size, 1),
             block=(self.block_threads(), 1, 1),
@@ -171,7 +262,8 @@ class BoundaryKernel(DeviceKernel):
         )  # fmt: skip
 
     def shared_bytes(self) -> int:
-        return boundary_launch_shared_bytes(self.config.hidden, self.config.cluster_size)
+        config = self.config
+        return boundary_launch_shared_bytes(config.hidden, config.cluster_size, config.layer_input_format)
 
     def block_threads(self) -> int:
         return self.config.threads
@@ -199,18 +291,22 @@ class BoundaryKernel(DeviceKernel):
         error_flag: Int64,
         arrivals: cute.Tensor,
         m: Int32,
+        layer_input_q: cute.Pointer,
+        layer_input_scales: cute.Pointer,
     ):
-        """The device entry of every boundary kernel (one parameter list, so one PTX signature);
-        each class's ``body`` is its device code."""
-        self.body(
-            BoundaryArgs(
-                residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input, x, prefetch,
-                direct, mailbox, stage_state, capacity, spin_limit_ns, error_flag, arrivals, m,
-            )
+        """The device entry of every boundary kernel (one parameter list, so one PTX signature; an
+        FP8 kernel's two more are None in a BF16 one); each class's ``body`` is its device code."""
+        args = BoundaryArgs(
+            residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input, x, prefetch,
+            direct, mailbox, stage_state, capacity, spin_limit_ns, error_flag, arrivals, m,
         )  # fmt: skip
+        if cutlass.const_expr(self.config.quantizes):
+            self.body(args, Fp8Outputs(layer_input_q, layer_input_scales))
+        else:
+            self.body(args)
 
     @cute.jit
-    def body(self, args: BoundaryArgs):
+    def body(self, args: BoundaryArgs, fp8: Fp8Outputs | None = None):
         config = self.config
         hidden, tp, cluster, groups = config.hidden, config.tp, config.cluster_size, config.groups_per_cta
         tidx, _, _ = cute.arch.thread_idx()
@@ -290,6 +386,11 @@ class BoundaryKernel(DeviceKernel):
         for k in cutlass.range_constexpr(VALUES):
             partials[k] = terms[k]
         sums = stages.ClusterSums.allocate(smem, tidx, cluster_rank, 1, config.warps, cluster, token_major=True)
+        store = None
+        if cutlass.const_expr(fp8 is not None):
+            store = Fp8Store.create(
+                config, fp8, smem, args.layer_input, config.threads, 1, CUDA_CORE_FRAGMENTS_PER_WARP, HC
+            )
         # One token: the (value, peer) pairs spread over the threads (``reduce.block_to_cluster``).
         reduce.block_to_cluster(partials, VALUES, sums.warp, sums.cluster, cluster_rank, config.threads, cluster)
         sums.cluster_totals()
@@ -306,9 +407,21 @@ class BoundaryKernel(DeviceKernel):
         sums.squares_to_cluster()
         sum_square = sums.square_total(0)
         inv_rms = stages.inverse_rms(sum_square, hidden, config.norm_eps)
-        if lane == 0:
-            result = ptx.words_to_f32x8(prenorm_words) * inv_rms * ptx.words_to_f32x8(gamma_words)
-            stages.store_row(args.layer_input, token, column, hidden, result)
+        if cutlass.const_expr(store is None):
+            if lane == 0:
+                result = ptx.words_to_f32x8(prenorm_words) * inv_rms * ptx.words_to_f32x8(gamma_words)
+                stages.store_row(args.layer_input, token, column, hidden, result)
+        else:
+            # Every lane of the fragment's 4 computes it (the shuffles need the whole warp); lane 0 stores.
+            words = store.fragment_words(prenorm_words, inv_rms, gamma_words)
+            store.store_bf16(token, fragment, words, lane == 0)
+            warp = cute.arch.warp_idx()
+            absmax = store.warp_max(words)
+            store.share(Int32(0), warp, absmax, cute.arch.lane_idx() == 0)
+            store.exchange()
+            absmax = store.group_max(Int32(0), warp, absmax)
+            store.store(token, fragment, args.m, words, absmax, lane == 0)
+            store.store_padding(token, args.m, cluster_rank * config.threads + tidx, cluster * config.threads)
         stages.finish(
             tidx, args.stage_state, args.arrivals, stage, stages.group_count(args.m, 1), cluster_rank, polled, poisoned
         )

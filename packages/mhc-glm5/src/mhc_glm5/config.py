@@ -18,6 +18,12 @@ grouped kernel (``mhc_glm5.grouped``), 8 or 16 the tensor-core one
 as many clusters as the device holds at once (``persistent_clusters``), each looping
 over groups of ``PERSISTENT_TOKENS`` tokens with ``fn`` staged once, the next group's
 streams copied and the group before collapsed while the current one computes.
+
+The layer input (issue #33) is BF16, or FP8 E4M3 with one scale per group of 128 or 32 columns
+(``layer_input_format``; ``layer_input_bf16`` keeps the BF16 copy beside it), quantised at the
+norm's store (``mhc_glm5.fp8_store``). A group's fragments lie in one CTA (``hidden`` a multiple of
+``group x cluster_size``): a 32-column group is reduced inside a warp, a 128-column one over the
+CTA's warps that hold it, through ``layer_input_scratch_bytes`` of shared memory.
 """
 
 from __future__ import annotations
@@ -71,6 +77,75 @@ PERSISTENT_MIX_BUFFERS = 2
 GROUPED_MAX_THREADS = 256
 
 
+#: The layer input's formats (issue #33): BF16, or FP8 E4M3 with one scale per group of columns,
+#: as ``mhc_core.fp8.FORMATS`` (which imports torch, so not here: a CPU test checks they agree, and
+#: that they are ``mhc_dsv41.config.LAYER_INPUT_FORMATS``) names them: format -> (group, scale layout).
+LAYER_INPUT_BF16 = "bf16"
+LAYER_INPUT_FP8_FORMATS: dict[str, tuple[int, str]] = {
+    "fp32-g128": (128, "row-major"),
+    "ue8m0-g128-packed": (128, "mn-major-packed"),
+    "mx-g32": (32, "swizzled-128x4"),
+}
+LAYER_INPUT_FORMATS = (LAYER_INPUT_BF16, *LAYER_INPUT_FP8_FORMATS)
+#: The kernel config fields that choose it; left out of a BF16 config's repr, from which the
+#: kernel's symbol name is built (so the BF16 kernels' PTX is what it was before they existed).
+LAYER_INPUT_FIELDS = ("layer_input_format", "layer_input_bf16")
+#: Fragments of a warp: the CUDA-core kernels give a fragment 4 lanes (8 a warp), the tensor-core
+#: ones a lane per fragment and token (4 a warp, ``MMA_FRAGMENTS_PER_WARP``).
+CUDA_CORE_FRAGMENTS_PER_WARP = WARP_SIZE // 4
+
+
+def layer_input_group(layer_input_format: str) -> int:
+    """Columns per scale of an FP8 format; 0 for BF16."""
+    return LAYER_INPUT_FP8_FORMATS[layer_input_format][0] if layer_input_format != LAYER_INPUT_BF16 else 0
+
+
+def layer_input_scratch_bytes(layer_input_format: str, threads: int, tokens: int, fragments_per_warp: int) -> int:
+    """Shared memory of the FP8 store's cross-warp maxima: a word per (token, warp) when a group is
+    more fragments than a warp holds (128 columns), none otherwise (BF16; 32 columns)."""
+    if layer_input_group(layer_input_format) // VEC_BF16 <= fragments_per_warp:
+        return 0
+    return tokens * (threads // WARP_SIZE) * 4
+
+
+def check_layer_input(hidden: int, cluster_size: int, layer_input_format: object, layer_input_bf16: object) -> None:
+    """The option's rules, named by field (``require``: a ``PresetError``). A group of ``group``
+    columns is ``group / 8`` consecutive fragments; a CTA's fragments must hold whole groups, so
+    that no group straddles the cluster's CTAs (``mhc_glm5.fp8_store``)."""
+    require(
+        layer_input_format in LAYER_INPUT_FORMATS,
+        "layer_input_format",
+        f"must be one of {', '.join(LAYER_INPUT_FORMATS)}",
+        layer_input_format,
+    )
+    require(isinstance(layer_input_bf16, bool), "layer_input_bf16", "must be true or false", layer_input_bf16)
+    if layer_input_format == LAYER_INPUT_BF16:
+        require(
+            not layer_input_bf16,
+            "layer_input_bf16",
+            f"asks for the BF16 layer input beside an FP8 one; with layer_input_format {LAYER_INPUT_BF16!r} it is "
+            "the only one (expected false)",
+            layer_input_bf16,
+        )
+        return
+    group = layer_input_group(str(layer_input_format))
+    require(
+        hidden % group == 0,
+        "layer_input_format",
+        f"{layer_input_format!r} has groups of {group} columns, so hidden must be a multiple of {group} "
+        f"(hidden = {hidden})",
+        layer_input_format,
+    )
+    per_cta = hidden // VEC_BF16 // cluster_size
+    require(
+        per_cta % (group // VEC_BF16) == 0,
+        "cluster_size",
+        f"a CTA's {per_cta} fragments (hidden / 8 / cluster_size) must hold whole groups of {group // VEC_BF16} "
+        f"fragments ({layer_input_format!r}: a group may not straddle the cluster's CTAs)",
+        cluster_size,
+    )
+
+
 #: ``fn`` staged in shared memory (``mhc_glm5.fn_stage``): one chunk per (row, stream) of the
 #: CTA's columns, chunks padded so that consecutive ones rotate across the 32 banks. The
 #: one-token kernel reads chunks ``4 r + j`` (``j`` = 0..3) at 2 consecutive fragments per
@@ -103,33 +178,39 @@ def boundary_threads(hidden: int, cluster_size: int) -> int:
 ALONE_ON_SM_BYTES = SM_SHARED_BYTES // 2
 
 
-def boundary_launch_shared_bytes(hidden: int, cluster_size: int) -> int:
+def boundary_launch_shared_bytes(hidden: int, cluster_size: int, layer_input_format: str = LAYER_INPUT_BF16) -> int:
     """What the one-token kernel asks for: its own needs, and at least ``ALONE_ON_SM_BYTES``.
 
     Why: measured on the H200 (hidden 4096, M = 8), the scheduler placed some clusters' CTAs
     (103 KB each) two to an SM; their fn copies and GEMVs shared it, and their raw mixes were
     handed off 1.4 us after the other clusters', so the side-stream mixes waited for them.
     """
-    return max(boundary_shared_bytes(hidden, cluster_size), ALONE_ON_SM_BYTES)
+    return max(boundary_shared_bytes(hidden, cluster_size, layer_input_format), ALONE_ON_SM_BYTES)
 
 
-def boundary_shared_bytes(hidden: int, cluster_size: int) -> int:
+def boundary_shared_bytes(hidden: int, cluster_size: int, layer_input_format: str = LAYER_INPUT_BF16) -> int:
     """One-token kernel: the staged ``fn``, the 25-value reduction (warp sums, peer slots, totals),
-    then the 1-value one."""
-    warps = boundary_threads(hidden, cluster_size) // WARP_SIZE
+    then the 1-value one (and the FP8 store's scratch)."""
+    threads = boundary_threads(hidden, cluster_size)
+    warps = threads // WARP_SIZE
     first = (warps + cluster_size + 1) * VALUES
     second = warps + cluster_size
     fragments = hidden // VEC_BF16 // cluster_size
-    return fn_stage_bytes(fragments, FN_ROTATION_STREAMS) + (first + second) * 4
+    scratch = layer_input_scratch_bytes(layer_input_format, threads, 1, CUDA_CORE_FRAGMENTS_PER_WARP)
+    return fn_stage_bytes(fragments, FN_ROTATION_STREAMS) + (first + second) * 4 + scratch
 
 
-def grouped_shared_bytes(hidden: int, cluster_size: int, tokens: int) -> int:
-    """Grouped kernel: every token's 4 residual fragments per group, its 20 mix inputs and reductions."""
+def grouped_shared_bytes(
+    hidden: int, cluster_size: int, tokens: int, layer_input_format: str = LAYER_INPUT_BF16
+) -> int:
+    """Grouped kernel: every token's 4 residual fragments per group, its 20 mix inputs and reductions
+    (and the FP8 store's scratch)."""
     groups = hidden // VEC_BF16 // cluster_size
     warps = groups * HC // WARP_SIZE
     staged = tokens * HC * groups * 16
     floats = tokens * (MIX_INPUTS + (warps + cluster_size + 1) * VALUES + warps + cluster_size)
-    return staged + floats * 4
+    scratch = layer_input_scratch_bytes(layer_input_format, groups * HC, tokens, CUDA_CORE_FRAGMENTS_PER_WARP)
+    return staged + floats * 4 + scratch
 
 
 #: Fragments per warp of the tensor-core kernel: one per stream lane outside the MMA.
@@ -141,27 +222,32 @@ def mma_threads(hidden: int, cluster_size: int) -> int:
     return hidden // VEC_BF16 // cluster_size // MMA_FRAGMENTS_PER_WARP * WARP_SIZE
 
 
-def mma_shared_bytes(hidden: int, cluster_size: int, tokens: int) -> int:
+def mma_shared_bytes(hidden: int, cluster_size: int, tokens: int, layer_input_format: str = LAYER_INPUT_BF16) -> int:
     """Tensor-core kernel: the staged ``fn``, the residual streams (one row per token and source,
-    padded like the ``fn`` rows) and their mbarrier, mix inputs, reductions."""
+    padded like the ``fn`` rows) and their mbarrier, mix inputs, reductions (and the FP8 store's
+    scratch)."""
     fragments = hidden // VEC_BF16 // cluster_size
-    warps = mma_threads(hidden, cluster_size) // WARP_SIZE
+    threads = mma_threads(hidden, cluster_size)
+    warps = threads // WARP_SIZE
     staged = FN_BARRIER_BYTES + tokens * HC * fn_chunk_words(fragments, FN_ROTATION_ROWS) * 4
     floats = tokens * (MIX_INPUTS + (warps + cluster_size + 1) * VALUES + warps + cluster_size)
-    return fn_stage_bytes(fragments, FN_ROTATION_ROWS) + staged + floats * 4
+    scratch = layer_input_scratch_bytes(layer_input_format, threads, tokens, MMA_FRAGMENTS_PER_WARP)
+    return fn_stage_bytes(fragments, FN_ROTATION_ROWS) + staged + floats * 4 + scratch
 
 
-def persistent_shared_bytes(hidden: int, cluster_size: int) -> int:
+def persistent_shared_bytes(hidden: int, cluster_size: int, layer_input_format: str = LAYER_INPUT_BF16) -> int:
     """The persistent boundary: the staged ``fn``, ``PERSISTENT_BUFFERS`` groups' streams with their
     mbarriers, ``PERSISTENT_MIX_BUFFERS`` groups' mix inputs, reductions with two halves of the
-    peers' slots (``ClusterSums.half``)."""
+    peers' slots (``ClusterSums.half``) (and the FP8 store's scratch)."""
     fragments = hidden // VEC_BF16 // cluster_size
-    warps = mma_threads(hidden, cluster_size) // WARP_SIZE
+    threads = mma_threads(hidden, cluster_size)
+    warps = threads // WARP_SIZE
     tokens = PERSISTENT_TOKENS
     staged = PERSISTENT_BUFFERS * (FN_BARRIER_BYTES + tokens * HC * fn_chunk_words(fragments, FN_ROTATION_ROWS) * 4)
     mixes = PERSISTENT_MIX_BUFFERS * MIX_INPUTS
     floats = tokens * (mixes + (warps + 2 * cluster_size + 1) * VALUES + warps + 2 * cluster_size)
-    return fn_stage_bytes(fragments, FN_ROTATION_ROWS) + staged + floats * 4
+    scratch = layer_input_scratch_bytes(layer_input_format, threads, tokens, MMA_FRAGMENTS_PER_WARP)
+    return fn_stage_bytes(fragments, FN_ROTATION_ROWS) + staged + floats * 4 + scratch
 
 
 def persistent_clusters(sms: int, cluster_size: int) -> int:
@@ -173,23 +259,25 @@ def persistent_clusters(sms: int, cluster_size: int) -> int:
     return max(1, sms // cluster_size - 1)
 
 
-def persistent_fits(hidden: int, cluster_size: int) -> str | None:
+def persistent_fits(hidden: int, cluster_size: int, layer_input_format: str = LAYER_INPUT_BF16) -> str | None:
     """Why the persistent boundary cannot serve this shape, or None when it can."""
     if (hidden // VEC_BF16 // cluster_size) % MMA_FRAGMENTS_PER_WARP:
         return f"hidden / 8 / cluster_size = {hidden // VEC_BF16 // cluster_size} must be a multiple of 4"
     if mma_threads(hidden, cluster_size) > 1024:
         return f"one warp per 4 fragments needs {mma_threads(hidden, cluster_size)} threads > 1024"
-    shared = persistent_shared_bytes(hidden, cluster_size)
+    shared = persistent_shared_bytes(hidden, cluster_size, layer_input_format)
     if shared > MAX_SHARED_BYTES:
         return f"its buffered groups need {shared} bytes of shared memory, more than {MAX_SHARED_BYTES}"
     return None
 
 
-def grouped_kernel_shared_bytes(hidden: int, cluster_size: int, tokens: int) -> int:
+def grouped_kernel_shared_bytes(
+    hidden: int, cluster_size: int, tokens: int, layer_input_format: str = LAYER_INPUT_BF16
+) -> int:
     """Shared memory of the kernel that serves ``tokens`` (> 1) tokens per cluster."""
     if tokens in MMA_TOKENS:
-        return mma_shared_bytes(hidden, cluster_size, tokens)
-    return grouped_shared_bytes(hidden, cluster_size, tokens)
+        return mma_shared_bytes(hidden, cluster_size, tokens, layer_input_format)
+    return grouped_shared_bytes(hidden, cluster_size, tokens, layer_input_format)
 
 
 def tokens_per_cluster(cluster_tokens: tuple[tuple[int, int], ...], m: int) -> int:
@@ -293,6 +381,10 @@ class GLM5Preset:
     #: Whether the geometry was measured on the preset's own target (False: a rule or another
     #: host's values; building the op logs a warning).
     tuned: bool = False
+    #: The layer input's format (``LAYER_INPUT_FORMATS``): BF16, or FP8 E4M3 with its scales,
+    #: quantised at the norm's store; ``layer_input_bf16``: the BF16 copy beside the FP8 one.
+    layer_input_format: str = LAYER_INPUT_BF16
+    layer_input_bf16: bool = False
     description: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -323,6 +415,8 @@ class GLM5Preset:
             self.cluster_size,
         )
         object.__setattr__(self, "cluster_tokens", check_cluster_tokens(self.cluster_tokens))
+        check_layer_input(self.hidden, self.cluster_size, self.layer_input_format, self.layer_input_bf16)
+        fmt = self.layer_input_format
         # Every kernel has >= 25 x cluster_size threads, so one thread per (token, peer) of the second
         # reduction (tokens <= 16) always exists.
         for _, tokens in self.cluster_tokens:
@@ -340,14 +434,14 @@ class GLM5Preset:
                 f"spills the grouped kernel's registers); threads = {threads}",
                 tokens,
             )
-            shared = grouped_kernel_shared_bytes(self.hidden, self.cluster_size, tokens)
+            shared = grouped_kernel_shared_bytes(self.hidden, self.cluster_size, tokens, fmt)
             require(
                 shared <= MAX_SHARED_BYTES,
                 "cluster_tokens",
                 f"{tokens} tokens per cluster need {shared} bytes of shared memory, more than {MAX_SHARED_BYTES}",
                 tokens,
             )
-        shared = boundary_shared_bytes(self.hidden, self.cluster_size)
+        shared = boundary_shared_bytes(self.hidden, self.cluster_size, fmt)
         require(
             shared <= MAX_SHARED_BYTES,
             "cluster_size",
@@ -364,7 +458,7 @@ class GLM5Preset:
                 f"must be above every cluster_tokens threshold (the last is {last}), or 0",
                 self.persistent_min_tokens,
             )
-            unfit = persistent_fits(self.hidden, self.cluster_size)
+            unfit = persistent_fits(self.hidden, self.cluster_size, fmt)
             require(unfit is None, "persistent_min_tokens", f"the persistent boundary does not fit: {unfit}; use 0",
                     self.persistent_min_tokens)  # fmt: skip
         require_positive_float("rms_eps", self.rms_eps)
@@ -399,9 +493,9 @@ class GLM5Preset:
             "cluster": (1, self.cluster_size, 1),
             "threads": self.threads,
             "fragment_groups_per_cta": self.fragments // self.cluster_size,
-            "shared_bytes": boundary_launch_shared_bytes(self.hidden, self.cluster_size),
+            "shared_bytes": boundary_launch_shared_bytes(self.hidden, self.cluster_size, self.layer_input_format),
             "grouped_shared_bytes": {
-                tokens: grouped_kernel_shared_bytes(self.hidden, self.cluster_size, tokens)
+                tokens: grouped_kernel_shared_bytes(self.hidden, self.cluster_size, tokens, self.layer_input_format)
                 for tokens in self.grouped_sizes
             },
             **(
@@ -409,7 +503,9 @@ class GLM5Preset:
                     "persistent_min_tokens": self.persistent_min_tokens,
                     "persistent_grid": f"(min(ceil(M / {PERSISTENT_TOKENS}), clusters), {self.cluster_size}, 1)",
                     "persistent_threads": mma_threads(self.hidden, self.cluster_size),
-                    "persistent_shared_bytes": persistent_shared_bytes(self.hidden, self.cluster_size),
+                    "persistent_shared_bytes": persistent_shared_bytes(
+                        self.hidden, self.cluster_size, self.layer_input_format
+                    ),
                 }
                 if self.persistent_min_tokens
                 else {}
@@ -432,6 +528,8 @@ class GLM5Preset:
             "mixed_fma": arch != "sm_90a",
             "tokens": 1,
             "persistent": False,
+            "layer_input_format": self.layer_input_format,
+            "layer_input_bf16": self.layer_input_bf16,
         }
 
     def kernel_specs(self, arch: str) -> dict[str, tuple[str, dict[str, Any]]]:

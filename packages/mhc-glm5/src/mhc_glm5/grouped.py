@@ -17,6 +17,11 @@ raw mixes may differ between the two by a few FP32 ulps of the terms.
 Shared memory (``mhc_glm5.config.grouped_shared_bytes``) passes 48 KB from about 9
 tokens per cluster at hidden 4096; the DSL opts every kernel into the device's
 maximum dynamic shared memory.
+
+An FP8 layer input (``mhc_glm5.fp8_store``) is stored token by token once every token's group
+maxima are known; with 128-column groups (two warps each) that takes one more CTA barrier, after
+which each token's fragment is recomputed from the same registers (the same bits) rather than kept
+across it.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ from .boundary import (
     BoundaryConfig,
     BoundaryKernel,
 )
-from .config import HC, MIX_INPUTS, VALUES, grouped_shared_bytes
+from .config import CUDA_CORE_FRAGMENTS_PER_WARP, HC, MIX_INPUTS, VALUES, grouped_shared_bytes
+from .fp8_store import Fp8Outputs, Fp8Store
 
 
 class GroupBoundaryKernel(BoundaryKernel):
@@ -49,10 +55,11 @@ class GroupBoundaryKernel(BoundaryKernel):
         super().__init__(config)
 
     def shared_bytes(self) -> int:
-        return grouped_shared_bytes(self.config.hidden, self.config.cluster_size, self.config.tokens)
+        config = self.config
+        return grouped_shared_bytes(config.hidden, config.cluster_size, config.tokens, config.layer_input_format)
 
     @cute.jit
-    def body(self, args: BoundaryArgs):
+    def body(self, args: BoundaryArgs, fp8: Fp8Outputs | None = None):
         config = self.config
         hidden, tp, cluster, tokens = config.hidden, config.tp, config.cluster_size, config.tokens
         groups, warps, threads = config.groups_per_cta, config.warps, config.threads
@@ -74,6 +81,11 @@ class GroupBoundaryKernel(BoundaryKernel):
         staged = smem.allocate_array(Uint32, tokens * HC * groups * 4, byte_alignment=16)
         mix_inputs = smem.allocate_array(Float32, tokens * MIX_INPUTS)
         sums = stages.ClusterSums.allocate(smem, tidx, cluster_rank, tokens, warps, cluster, token_major=True)
+        store = None
+        if cutlass.const_expr(fp8 is not None):
+            store = Fp8Store.create(
+                config, fp8, smem, args.layer_input, threads, tokens, CUDA_CORE_FRAGMENTS_PER_WARP, HC
+            )
 
         stage, poisoned = stages.begin(args.prefetch, from_x, args.stage_state)
         # The post-mix's inputs are requested before fn (``mhc_glm5.boundary``).
@@ -150,15 +162,54 @@ class GroupBoundaryKernel(BoundaryKernel):
             sums.square_over_warp(t, warp, prenorm_words, lane, config.mixed_fma)
         sums.squares_to_cluster()
 
-        if lane == 0:
-            weight = ptx.words_to_f32x8(gamma_words)
-            for t in cutlass.range_constexpr(tokens):
-                token = cutlass.min(first + t, last)
-                sum_square = sums.square_total(t)
-                inv_rms = stages.inverse_rms(sum_square, hidden, config.norm_eps)
-                result = ptx.words_to_f32x8(kept[t, 0, None].load()) * inv_rms * weight
-                stages.store_row(args.layer_input, token, column, hidden, result)
+        if cutlass.const_expr(store is None):
+            if lane == 0:
+                weight = ptx.words_to_f32x8(gamma_words)
+                for t in cutlass.range_constexpr(tokens):
+                    token = cutlass.min(first + t, last)
+                    sum_square = sums.square_total(t)
+                    inv_rms = stages.inverse_rms(sum_square, hidden, config.norm_eps)
+                    result = ptx.words_to_f32x8(kept[t, 0, None].load()) * inv_rms * weight
+                    stages.store_row(args.layer_input, token, column, hidden, result)
+        else:
+            self.store_quantized(store, args, kept, gamma_words, sums, first, last, fragment, lane, warp, tidx,
+                                 cluster_rank)  # fmt: skip
         stages.finish(
             tidx, args.stage_state, args.arrivals, stage, stages.group_count(args.m, tokens), cluster_rank, polled,
             poisoned,
         )  # fmt: skip
+
+    @cute.jit
+    def store_quantized(
+        self, store: Fp8Store, args: BoundaryArgs, kept: cute.Tensor, gamma_words: cute.TensorSSA,
+        sums: stages.ClusterSums, first: Int32, last: Int32, fragment: Int32, lane: Int32, warp: Int32,
+        tidx: Int32, cluster_rank: Int32,
+    ):  # fmt: skip
+        """Every token's layer input as FP8 (``mhc_glm5.fp8_store``): the fragment computed in every
+        lane of its 4, its group's absmax, then lane 0's codes and the scale. A repeated token (a short
+        last group) writes the same values again; its scale padding rows are zeroed once."""
+        config = self.config
+        tokens = config.tokens
+        for t in cutlass.range_constexpr(tokens):
+            inv_rms = stages.inverse_rms(sums.square_total(t), config.hidden, config.norm_eps)
+            words = store.fragment_words(kept[t, 0, None].load(), inv_rms, gamma_words)
+            absmax = store.warp_max(words)
+            if cutlass.const_expr(store.crosses_warps):
+                store.share(Int32(t), warp, absmax, cute.arch.lane_idx() == 0)
+            else:
+                token = cutlass.min(first + t, last)
+                store.store_bf16(token, fragment, words, lane == 0)
+                store.store(token, fragment, args.m, words, absmax, lane == 0)
+        if cutlass.const_expr(store.crosses_warps):
+            store.exchange()
+            for t in cutlass.range_constexpr(tokens):
+                # The same operations on the same registers: the same bits as before the barrier.
+                inv_rms = stages.inverse_rms(sums.square_total(t), config.hidden, config.norm_eps)
+                words = store.fragment_words(kept[t, 0, None].load(), inv_rms, gamma_words)
+                token = cutlass.min(first + t, last)
+                store.store_bf16(token, fragment, words, lane == 0)
+                store.store(token, fragment, args.m, words, store.group_max(Int32(t), warp, Uint32(0)), lane == 0)
+        threads = config.threads
+        for t in cutlass.range_constexpr(tokens):
+            if first + t <= last:
+                store.store_padding(first + t, args.m, cluster_rank * threads + tidx, config.cluster_size * threads)

@@ -44,6 +44,11 @@ other kernels' threads, so a lone cluster has more warps to hide latency). Lane
 
 Tokens past M (a short last group) are inactive: nothing polled, re-armed or stored.
 
+An FP8 layer input (``mhc_glm5.fp8_store``): lane ``(g, q)`` quantises its fragment of token ``g``; a
+32-column group is the warp's 4 fragments (2 shuffles over the token's 4 lanes), a 128-column group
+4 warps (their maxima exchanged through shared memory, one more CTA barrier, after which each
+fragment is recomputed from the same registers rather than kept across it).
+
 The persistent boundary (``mhc_glm5.persistent``) runs this kernel's stages (its methods below) on
 groups of 8 tokens in a loop per cluster.
 """
@@ -75,6 +80,7 @@ from .config import (
     mma_shared_bytes,
     mma_threads,
 )
+from .fp8_store import Fp8Outputs, Fp8Store
 
 #: Fragments per warp (``mhc_glm5.config.mma_threads``): lane ``q`` owns fragment ``q`` outside the MMA.
 FRAGMENTS_PER_WARP = MMA_FRAGMENTS_PER_WARP
@@ -105,7 +111,8 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         super().__init__(config)
 
     def shared_bytes(self) -> int:
-        return mma_shared_bytes(self.config.hidden, self.config.cluster_size, self.config.tokens)
+        config = self.config
+        return mma_shared_bytes(config.hidden, config.cluster_size, config.tokens, config.layer_input_format)
 
     def block_threads(self) -> int:
         return mma_threads(self.config.hidden, self.config.cluster_size)
@@ -122,7 +129,7 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         return self.config.tokens * HC * self.config.groups_per_cta * 16
 
     @cute.jit
-    def body(self, args: BoundaryArgs):
+    def body(self, args: BoundaryArgs, fp8: Fp8Outputs | None = None):
         """One group of ``tokens`` tokens per cluster."""
         config = self.config
         tp, cluster, tokens = config.tp, config.cluster_size, config.tokens
@@ -148,6 +155,7 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         staged = smem.allocate_array(Uint32, self.stream_words, byte_alignment=16)
         mix_inputs = smem.allocate_array(Float32, tokens * MIX_INPUTS)
         sums = stages.ClusterSums.allocate(smem, tidx, cluster_rank, tokens, warps, cluster, token_major=False)
+        store = self.fp8_store(fp8, smem, args)
 
         stage, poisoned = stages.begin(args.prefetch, from_x, args.stage_state)
         # What the post-mix needs is requested first (the streams, x when read directly, post /
@@ -194,13 +202,24 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
                 fn_stage.wait(staged_barrier)
             squares[h] = self.post_mix_half(kept[h], staged, mix_inputs + t * MIX_INPUTS, t, local, q, from_x, poisoned)
         self.gemv_to_cluster(staged, fn_staged, fn_barrier, sums, squares, warp, local, g, q)
-        self.epilogue(args, staged, sums, gamma_words, first, last, warp, lane_id, local, first_fragment, g, q)
+        self.epilogue(args, staged, sums, gamma_words, first, last, warp, lane_id, local, first_fragment, g, q, store)
         stages.finish(
             tidx, args.stage_state, args.arrivals, stage, stages.group_count(args.m, tokens), cluster_rank, polled,
             poisoned,
         )  # fmt: skip
 
     # ------------------------------------------------------------ stages
+    def fp8_store(self, fp8: Fp8Outputs | None, smem: cutlass.memory.SmemAllocator, args: BoundaryArgs):
+        """The FP8 layer input's store (None for a BF16 kernel), its shared words allocated last."""
+        if fp8 is None:
+            return None
+        if LANE_FRAGMENTS != 1:
+            raise ValueError("the FP8 store takes lane q of a token's 4 to hold the warp's fragment q")
+        config = self.config
+        return Fp8Store.create(
+            config, fp8, smem, args.layer_input, self.block_threads(), config.tokens, FRAGMENTS_PER_WARP, 1
+        )
+
     @cute.jit
     def copy_streams(
         self, args: BoundaryArgs, staged: cute.Pointer, barrier: cute.Pointer, first: Int32, last: Int32,
@@ -376,7 +395,7 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
     def epilogue(
         self, args: BoundaryArgs, staged: cute.Pointer, sums: stages.ClusterSums, gamma_words: cute.Tensor,
         first: Int32, last: Int32, warp: Int32, lane_id: Int32, local: Int32, first_fragment: Int32, g: Int32,
-        q: Int32,
+        q: Int32, store: Fp8Store | None = None,
     ):  # fmt: skip
         """The raw mixes handed off, the PDL wait, then per token ``residual_out`` from ``staged``, the
         collapse, the cluster's sum of squares and the normalised layer input."""
@@ -388,7 +407,7 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         )
         self.collapse(args, staged, sums, first, last, warp, local, g, q, prenorm, None, first_fragment)
         sums.squares_to_cluster()
-        self.store_layer_input(args, sums, prenorm, gamma_words, first, last, first_fragment, g, q)
+        self.store_layer_input(args, sums, prenorm, gamma_words, first, last, first_fragment, g, q, store, warp)
 
     @cute.jit
     def write_raw_mixes(
@@ -444,12 +463,16 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
     @cute.jit
     def store_layer_input(
         self, args: BoundaryArgs, sums: stages.ClusterSums, prenorm: cute.Tensor, gamma_words: cute.Tensor,
-        first: Int32, last: Int32, first_fragment: Int32, g: Int32, q: Int32,
+        first: Int32, last: Int32, first_fragment: Int32, g: Int32, q: Int32, store: Fp8Store | None = None,
+        warp: Int32 | None = None,
     ):  # fmt: skip
         """After the squares' cluster barrier: every token's collapsed row RMS-normalised and weighted
-        into ``layer_input`` (the lane's fragments)."""
+        into ``layer_input`` (the lane's fragments), or quantised (``store``: ``store_quantized``)."""
         config = self.config
         halves = config.tokens // TOKENS_PER_HALF
+        if cutlass.const_expr(store is not None):
+            self.store_quantized(store, args, sums, prenorm, gamma_words, first, last, first_fragment, g, q, warp)
+            return
         for h in cutlass.range_constexpr(halves):
             t = h * TOKENS_PER_HALF + g
             token = first + t
@@ -461,3 +484,45 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
                     result = ptx.words_to_f32x8(prenorm[h, k, None].load()) * inv_rms * weight
                     column = Int64(first_fragment + q + k * HC) * VEC_BF16
                     stages.store_row(args.layer_input, token, column, config.hidden, result)
+
+    @cute.jit
+    def store_quantized(
+        self, store: Fp8Store, args: BoundaryArgs, sums: stages.ClusterSums, prenorm: cute.Tensor,
+        gamma_words: cute.Tensor, first: Int32, last: Int32, first_fragment: Int32, g: Int32, q: Int32,
+        warp: Int32,
+    ):  # fmt: skip
+        """Every token's layer input as FP8 (``mhc_glm5.fp8_store``): lane ``(g, q)``'s fragment ``q``
+        of token ``g`` computed for every token (the shuffles and the barrier need every lane), its
+        group's absmax, then the codes and the scale of the tokens up to M; then the scale padding
+        rows that fall to the group's tokens."""
+        config = self.config
+        tokens = config.tokens
+        halves = tokens // TOKENS_PER_HALF
+        fragment = first_fragment + q
+        for h in cutlass.range_constexpr(halves):
+            t = h * TOKENS_PER_HALF + g
+            inv_rms = stages.inverse_rms(sums.square_total(t), config.hidden, config.norm_eps)
+            words = store.fragment_words(prenorm[h, 0, None].load(), inv_rms, gamma_words[0, None].load())
+            absmax = store.warp_max(words)
+            if cutlass.const_expr(store.crosses_warps):
+                store.share(t, warp, absmax, q == Int32(0))
+            else:
+                active = first + t <= last
+                store.store_bf16(first + t, fragment, words, active)
+                store.store(first + t, fragment, args.m, words, absmax, active)
+        if cutlass.const_expr(store.crosses_warps):
+            store.exchange()
+            for h in cutlass.range_constexpr(halves):
+                t = h * TOKENS_PER_HALF + g
+                # The same operations on the same registers: the same bits as before the barrier.
+                inv_rms = stages.inverse_rms(sums.square_total(t), config.hidden, config.norm_eps)
+                words = store.fragment_words(prenorm[h, 0, None].load(), inv_rms, gamma_words[0, None].load())
+                active = first + t <= last
+                store.store_bf16(first + t, fragment, words, active)
+                store.store(first + t, fragment, args.m, words, store.group_max(t, warp, Uint32(0)), active)
+        threads = self.block_threads()
+        for t in cutlass.range_constexpr(tokens):
+            if first + t <= last:
+                store.store_padding(
+                    first + t, args.m, sums.cluster_rank * threads + sums.tidx, config.cluster_size * threads
+                )

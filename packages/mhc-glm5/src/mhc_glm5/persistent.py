@@ -21,6 +21,10 @@ warp (thirteenth run, one run) it led at 256 and 512 and x16 at 1024.
 
 The PDL trigger comes in the cluster's last group, after its poll; the PDL wait before the first
 collapse's output stores; the cluster arrives once (``stages.finish`` over the grid's clusters).
+
+An FP8 layer input is the tensor-core kernel's (``MmaGroupBoundaryKernel.store_quantized``), per group
+of 8 tokens; its shared words, written after each group's cluster barrier, are written again only
+after the next front's CTA barrier.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from .config import (
     PERSISTENT_TOKENS,
     persistent_shared_bytes,
 )
+from .fp8_store import Fp8Outputs
 from .grouped_mma import FRAGMENTS_PER_WARP, LANE_FRAGMENTS, MmaGroupBoundaryKernel
 
 
@@ -59,10 +64,10 @@ class PersistentBoundaryKernel(MmaGroupBoundaryKernel):
         super().__init__(config)
 
     def shared_bytes(self) -> int:
-        return persistent_shared_bytes(self.config.hidden, self.config.cluster_size)
+        return persistent_shared_bytes(self.config.hidden, self.config.cluster_size, self.config.layer_input_format)
 
     @cute.jit
-    def body(self, args: BoundaryArgs):
+    def body(self, args: BoundaryArgs, fp8: Fp8Outputs | None = None):
         """Cluster ``c`` of ``clusters`` (the grid) takes groups ``c, c + clusters, ...`` of
         ``PERSISTENT_TOKENS`` tokens (one half). ``fn`` and the weight are loaded once. Software
         pipelined over groups, one cluster barrier per group: while group ``k`` is post-mixed and
@@ -96,6 +101,7 @@ class PersistentBoundaryKernel(MmaGroupBoundaryKernel):
         sums = stages.ClusterSums.allocate(
             smem, tidx, cluster_rank, tokens, warps, cluster, token_major=False, halves=2
         )
+        store = self.fp8_store(fp8, smem, args)
 
         stage, poisoned = stages.begin(args.prefetch, from_x, args.stage_state)
         # Every stream buffer's first phase armed here: the first group's, and those the first two
@@ -163,7 +169,9 @@ class PersistentBoundaryKernel(MmaGroupBoundaryKernel):
             cute.arch.cluster_wait()
             halves.cluster_totals()
             self.write_raw_mixes(args, halves, group * tokens, last, warp, lane_id)
-            self.store_layer_input(args, halves, prenorm, gamma_words, previous, last, first_fragment, g, q)
+            self.store_layer_input(
+                args, halves, prenorm, gamma_words, previous, last, first_fragment, g, q, store, warp
+            )
             previous = group * tokens
             iteration = iteration + 1
         # The last group: its squares alone.
@@ -175,7 +183,7 @@ class PersistentBoundaryKernel(MmaGroupBoundaryKernel):
         cute.arch.cluster_arrive()
         self.store_held(args, held, previous + g, last, first_fragment + q)
         cute.arch.cluster_wait()
-        self.store_layer_input(args, final, prenorm, gamma_words, previous, last, first_fragment, g, q)
+        self.store_layer_input(args, final, prenorm, gamma_words, previous, last, first_fragment, g, q, store, warp)
         stages.finish(tidx, args.stage_state, args.arrivals, stage, clusters, cluster_rank, polled, poisoned)
 
     def buffer(self, staged_buffers: cute.Pointer, index: Int32) -> cute.Pointer:

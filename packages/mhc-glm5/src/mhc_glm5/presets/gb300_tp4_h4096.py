@@ -42,6 +42,8 @@ PRESET = GLM5Preset(
     mixes_threads=128,
     persistent_min_tokens=0,
     tuned=False,
+    layer_input_format="bf16",
+    layer_input_bf16=False,
     description="GB300, TP4: the seed's shape (8-CTA clusters)",
 )
 
@@ -122,6 +124,8 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "mixed_fma": True,
                 "tokens": 1,
                 "persistent": False,
+                "layer_input_format": "bf16",
+                "layer_input_bf16": False,
             },
         ),
         "boundary_x2": (
@@ -136,6 +140,8 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "mixed_fma": True,
                 "tokens": 2,
                 "persistent": False,
+                "layer_input_format": "bf16",
+                "layer_input_bf16": False,
             },
         ),
         "boundary_x4": (
@@ -150,6 +156,8 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "mixed_fma": True,
                 "tokens": 4,
                 "persistent": False,
+                "layer_input_format": "bf16",
+                "layer_input_bf16": False,
             },
         ),
         "boundary_x8": (
@@ -164,6 +172,8 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "mixed_fma": True,
                 "tokens": 8,
                 "persistent": False,
+                "layer_input_format": "bf16",
+                "layer_input_bf16": False,
             },
         ),
         "boundary_x16": (
@@ -178,6 +188,8 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "mixed_fma": True,
                 "tokens": 16,
                 "persistent": False,
+                "layer_input_format": "bf16",
+                "layer_input_bf16": False,
             },
         ),
         "mixes": (
@@ -246,6 +258,8 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "mixed_fma": True,
                 "tokens": 1,
                 "persistent": False,
+                "layer_input_format": "bf16",
+                "layer_input_bf16": False,
             },
         ),
         "boundary_x2": (
@@ -260,6 +274,8 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "mixed_fma": True,
                 "tokens": 2,
                 "persistent": False,
+                "layer_input_format": "bf16",
+                "layer_input_bf16": False,
             },
         ),
         "boundary_x4": (
@@ -274,6 +290,8 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "mixed_fma": True,
                 "tokens": 4,
                 "persistent": False,
+                "layer_input_format": "bf16",
+                "layer_input_bf16": False,
             },
         ),
         "boundary_x8": (
@@ -288,6 +306,8 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "mixed_fma": True,
                 "tokens": 8,
                 "persistent": False,
+                "layer_input_format": "bf16",
+                "layer_input_bf16": False,
             },
         ),
         "boundary_x16": (
@@ -302,6 +322,8 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "mixed_fma": True,
                 "tokens": 16,
                 "persistent": False,
+                "layer_input_format": "bf16",
+                "layer_input_bf16": False,
             },
         ),
         "mixes": (

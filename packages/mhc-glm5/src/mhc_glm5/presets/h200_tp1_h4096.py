@@ -42,6 +42,8 @@ PRESET = GLM5Preset(
     mixes_threads=128,
     persistent_min_tokens=256,
     tuned=True,
+    layer_input_format="bf16",
+    layer_input_bf16=False,
     description="H200, TP1 (no peers: the publish stores to the own mailbox only)",
 )
 
@@ -126,6 +128,8 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "mixed_fma": False,
                 "tokens": 1,
                 "persistent": False,
+                "layer_input_format": "bf16",
+                "layer_input_bf16": False,
             },
         ),
         "boundary_x8": (
@@ -140,6 +144,8 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "mixed_fma": False,
                 "tokens": 8,
                 "persistent": False,
+                "layer_input_format": "bf16",
+                "layer_input_bf16": False,
             },
         ),
         "boundary_x16": (
@@ -154,6 +160,8 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "mixed_fma": False,
                 "tokens": 16,
                 "persistent": False,
+                "layer_input_format": "bf16",
+                "layer_input_bf16": False,
             },
         ),
         "boundary_persistent": (
@@ -168,6 +176,8 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "mixed_fma": False,
                 "tokens": 8,
                 "persistent": True,
+                "layer_input_format": "bf16",
+                "layer_input_bf16": False,
             },
         ),
         "mixes": (
