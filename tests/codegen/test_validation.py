@@ -21,7 +21,8 @@ DELETE = object()
 
 ARCHS = "('sm_90a', 'sm_100a', 'sm_103a')"
 DSV_KEYS = (
-    "hidden, hc, tp, top_k, cluster_size, threads, rank_lanes, norm_eps, archs, publish_threads, tuned, description"
+    "hidden, hc, tp, top_k, cluster_size, threads, rank_lanes, norm_eps, archs, publish_threads, tuned, "
+    "layer_input_format, layer_input_bf16, description"
 )
 GLM_KEYS = (
     "hidden, hc, tp, top_k, cluster_size, cluster_tokens, rms_eps, hc_eps, post_mult, sinkhorn_repeat, "

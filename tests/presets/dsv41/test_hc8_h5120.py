@@ -37,6 +37,8 @@ PRESET = DSV41Preset(
     archs=("sm_90a",),
     publish_threads=128,
     tuned=False,
+    layer_input_format="bf16",
+    layer_input_bf16=False,
     description="test shape: hc = 8 residual streams (twice the model's), TP4",
 )
 

@@ -29,6 +29,7 @@ from mhc_core.presets import (
     SM_REGISTERS,
     SM_SHARED_BYTES,
     SM_THREADS,
+    PresetError,
     require,
     require_archs,
     require_hidden,
@@ -65,6 +66,51 @@ LAYER_INPUT_FORMATS = (LAYER_INPUT_BF16, *LAYER_INPUT_FP8_FORMATS)
 #: The config fields that choose it; left out of a BF16 config's repr, from which the kernel's
 #: symbol name is built (so the BF16 kernels' PTX is what it was before they existed).
 LAYER_INPUT_FIELDS = ("layer_input_format", "layer_input_bf16")
+
+
+def layer_input_problem(
+    fmt: object, both: object, hidden: int, rank_lanes: int, groups_per_cta: int
+) -> tuple[str, str, object] | None:
+    """What is wrong with a layer-input format for a geometry, as ``(field, rule, value)``, or None.
+
+    The FP8 groups' placement (``mhc_dsv41.kernel``): a group of ``group`` columns is ``group / 8``
+    consecutive fragments of one trip, ``rank_lanes`` consecutive threads each, in one CTA (a CTA's
+    ``groups_per_cta`` fragments of a trip start at a multiple of it); its absmax is reduced by
+    shuffles, so those threads must lie in one warp. ``MHCConfig`` and ``DSV41Preset`` both apply it.
+    """
+    if not isinstance(fmt, str) or fmt not in LAYER_INPUT_FORMATS:
+        return "layer_input_format", f"expected one of {', '.join(LAYER_INPUT_FORMATS)}", fmt
+    if not isinstance(both, bool):
+        return "layer_input_bf16", "expected True or False", both
+    if fmt == LAYER_INPUT_BF16:
+        if both:
+            rule = (
+                "asks for the BF16 layer input beside an FP8 one; with layer_input_format "
+                f"{LAYER_INPUT_BF16!r} it is the only one (expected False)"
+            )
+            return "layer_input_bf16", rule, both
+        return None
+    group = LAYER_INPUT_FP8_FORMATS[fmt][0]
+    if hidden % group:
+        return (
+            "layer_input_format",
+            f"{fmt!r} has groups of {group} columns: hidden must be a multiple of {group} ({hidden})",
+            fmt,
+        )
+    fragments = group // VEC_BF16
+    if fragments * rank_lanes > WARP_SIZE:
+        rule = (
+            f"a group of {fmt!r} is {fragments} fragments of rank_lanes threads each, reduced inside one warp, "
+            f"so at most {WARP_SIZE // fragments} rank lanes"
+        )
+        return "rank_lanes", rule, rank_lanes
+    if groups_per_cta % fragments:
+        rule = (
+            f"a CTA's {groups_per_cta} fragments per trip must hold whole groups of {fragments} fragments "
+            f"({fmt!r}: a group may not straddle the cluster's CTAs)"
+        )
+        return "threads", rule, groups_per_cta * rank_lanes
+    return None
 
 
 def default_geometry(hidden: int, hc: int, tp: int) -> dict[str, int]:
@@ -182,6 +228,10 @@ class DSV41Preset(CollectiveGeometry):
     #: Whether the geometry was measured on the preset's own target (False: a rule or another
     #: host's values; building the op logs a warning).
     tuned: bool = False
+    #: The layer input's format (``LAYER_INPUT_FORMATS``; issue #33) and whether the BF16 copy is
+    #: written beside an FP8 one: what an op built from the preset returns, and its collectives' configs.
+    layer_input_format: str = LAYER_INPUT_BF16
+    layer_input_bf16: bool = False
     description: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -205,6 +255,11 @@ class DSV41Preset(CollectiveGeometry):
             f"trips = {self.trips}, hc = {self.hc}",
             self.cluster_size,
         )
+        problem = layer_input_problem(
+            self.layer_input_format, self.layer_input_bf16, self.hidden, self.rank_lanes, self.groups_per_cta
+        )
+        if problem is not None:
+            raise PresetError(*problem)
 
     # ------------------------------------------------------------ geometry (CollectiveGeometry)
     def geometry(self) -> dict[str, Any]:
@@ -226,9 +281,15 @@ class DSV41Preset(CollectiveGeometry):
 
     # ----------------------------------------------------------- kernels
     def collective_config(
-        self, persistent: bool = False, layer_input_format: str = LAYER_INPUT_BF16, layer_input_bf16: bool = False
+        self, persistent: bool = False, layer_input_format: str | None = None, layer_input_bf16: bool | None = None
     ) -> dict[str, Any]:
-        """The collective's ``MHCConfig`` fields (all of them: a kernel's key is built from this dict)."""
+        """The collective's ``MHCConfig`` fields (all of them: a kernel's key is built from this dict);
+        the layer-input fields are the preset's unless given."""
+        if layer_input_format is None:
+            layer_input_format = self.layer_input_format
+            layer_input_bf16 = self.layer_input_bf16 if layer_input_bf16 is None else layer_input_bf16
+        elif layer_input_bf16 is None:
+            layer_input_bf16 = False
         return {
             "hidden": self.hidden,
             "hc": self.hc,
@@ -247,8 +308,8 @@ class DSV41Preset(CollectiveGeometry):
 
         The unicast publish (the transport every lent host runs) and the
         multicast one (opt-in, compile-checked), the FP32-weight finalize, the
-        one-token collective and the persistent one (from ``PERSISTENT_MIN_TOKENS``). None
-        depends on ``arch`` beyond the compile target.
+        one-token collective and the persistent one (from ``PERSISTENT_MIN_TOKENS``), both writing
+        the preset's layer-input format. None depends on ``arch`` beyond the compile target.
         """
         publish = {"hidden": self.hidden, "tp": self.tp, "threads": self.publish_threads, "trigger": "after_stores"}
         return {
@@ -300,39 +361,13 @@ class MHCConfig(CollectiveGeometry):
         self._check_layer_input()
 
     def _check_layer_input(self) -> None:
-        """The FP8 groups' placement (``mhc_dsv41.kernel``): a group of ``group`` columns is
-        ``group / 8`` consecutive fragments of one trip, ``rank_lanes`` consecutive threads each, in one
-        CTA (a CTA's ``groups_per_cta`` fragments of a trip start at a multiple of it); its absmax is
-        reduced by shuffles, so those threads must lie in one warp."""
-        fmt = self.layer_input_format
-        if fmt not in LAYER_INPUT_FORMATS:
-            raise ValueError(f"layer_input_format: expected one of {', '.join(LAYER_INPUT_FORMATS)}, got {fmt!r}")
-        if not isinstance(self.layer_input_bf16, bool):
-            raise ValueError(f"layer_input_bf16: expected True or False, got {self.layer_input_bf16!r}")
-        if fmt == LAYER_INPUT_BF16:
-            if self.layer_input_bf16:
-                raise ValueError(
-                    "layer_input_bf16: asks for the BF16 layer input beside an FP8 one; with layer_input_format "
-                    f"{LAYER_INPUT_BF16!r} it is the only one (expected False)"
-                )
-            return
-        group = self.fp8_group
-        if self.hidden % group:
-            raise ValueError(
-                f"layer_input_format: {fmt!r} has groups of {group} columns, so hidden must be a multiple of "
-                f"{group}; got hidden = {self.hidden}"
-            )
-        fragments = group // VEC_BF16
-        if fragments * self.rank_lanes > WARP_SIZE:
-            raise ValueError(
-                f"rank_lanes: a group of {fmt!r} is {fragments} fragments of rank_lanes threads each, reduced "
-                f"inside one warp, so at most {WARP_SIZE // fragments} rank lanes; got {self.rank_lanes}"
-            )
-        if self.groups_per_cta % fragments:
-            raise ValueError(
-                f"threads: a CTA's {self.groups_per_cta} fragments per trip must hold whole groups of {fragments} "
-                f"fragments ({fmt!r}: a group may not straddle the cluster's CTAs); got threads = {self.threads}"
-            )
+        """The layer-input fields (``layer_input_problem``: the format, and the FP8 groups' placement)."""
+        problem = layer_input_problem(
+            self.layer_input_format, self.layer_input_bf16, self.hidden, self.rank_lanes, self.groups_per_cta
+        )
+        if problem is not None:
+            field_name, rule, value = problem
+            raise ValueError(f"{field_name}: {rule}; got {value!r}")
 
     def __repr__(self) -> str:
         # The kernel's symbol name is built from this text: a BF16 config reads as it did before the

@@ -5,6 +5,14 @@
 op's state (mutated: the calls keep their order) and handle, and returns ``(residual_out
 [M, hc, hidden], layer_input [M, hidden])``, both BF16. ``boundary`` / ``finalize`` /
 ``collect`` below take the op itself.
+
+An op built with an FP8 ``layer_input_format`` (issue #33) goes through ``mhc::dsv41_boundary_fp8``,
+``mhc::dsv41_finalize_fp8`` and ``mhc::dsv41_collect_fp8``: the same arguments, then the format and
+``layer_input_bf16`` (checked against the op's: the fake implementations derive the outputs from the
+arguments alone), returning a list ``[residual_out, q, scales]`` or ``[residual_out, q, scales,
+layer_input]`` (``mhc_core.host.layer_input``: ``q`` ``float8_e4m3fn [M, hidden]``, ``scales`` of the
+format's shape, strides and allocation, ``mhc_core.fp8.Fp8Format.empty_scales``). Separate ops, so
+the BF16 ones keep their schema and cost; the wrappers pick by the op's format and return a tuple.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import torch
 from torch import Tensor
 
 from mhc_core.host import library
+from mhc_core.host.layer_input import LayerInput
 
 if TYPE_CHECKING:  # the wrappers below are typed by the op class (imported by the caller already)
     from mhc_core.host.moe import MoEOutput
@@ -98,6 +107,126 @@ def _(state, handle, residual, post, comb, pre, norm_weight, norm_eps):
     return torch.empty_like(residual), residual.new_empty(residual.shape[0], residual.shape[2])
 
 
+# ------------------------------------------------------------------ FP8 layer input
+def _fp8_outputs(
+    residual: Tensor, like: Tensor | None, layer_input_format: str, layer_input_bf16: bool
+) -> list[Tensor]:
+    """The fake outputs: ``like`` is the publish input (x, the MoE shared output) or None (a collect)."""
+    m, hidden = residual.shape[0], residual.shape[2]
+    outputs = LayerInput(layer_input_format, layer_input_bf16).allocate(like, residual, m, hidden)
+    return [torch.empty_like(residual), *outputs]
+
+
+def _run_fp8(handle: int, state: Tensor, layer_input_format: str, layer_input_bf16: bool, call) -> list[Tensor]:
+    def checked(op: AllReduceMHC) -> list[Tensor]:
+        wanted = LayerInput(layer_input_format, layer_input_bf16)
+        if op.layer_input != wanted:
+            raise ValueError(
+                f"layer_input_format: the op behind handle {handle} writes {op.layer_input.format!r} "
+                f"(layer_input_bf16={op.layer_input.keep_bf16}), the call asks for {layer_input_format!r} "
+                f"(layer_input_bf16={layer_input_bf16})"
+            )
+        return list(call(op))
+
+    return library.run(handle, state, checked)
+
+
+@torch.library.custom_op("mhc::dsv41_boundary_fp8", mutates_args=("state",), device_types="cuda")
+def dsv41_boundary_fp8(
+    state: Tensor,
+    handle: int,
+    x: Tensor,
+    residual: Tensor,
+    post: Tensor,
+    comb: Tensor,
+    pre: Tensor,
+    norm_weight: Tensor,
+    norm_eps: float,
+    layer_input_format: str,
+    layer_input_bf16: bool,
+) -> list[Tensor]:
+    return _run_fp8(
+        handle, state, layer_input_format, layer_input_bf16,
+        lambda op: op(x, residual, post, comb, pre, norm_weight, norm_eps),
+    )  # fmt: skip
+
+
+@dsv41_boundary_fp8.register_fake
+def _(state, handle, x, residual, post, comb, pre, norm_weight, norm_eps, layer_input_format, layer_input_bf16):
+    return _fp8_outputs(residual, x, layer_input_format, layer_input_bf16)
+
+
+@torch.library.custom_op("mhc::dsv41_finalize_fp8", mutates_args=("state",), device_types="cuda")
+def dsv41_finalize_fp8(
+    state: Tensor,
+    handle: int,
+    gemm2_permuted: Tensor,
+    expert_weights: Tensor,
+    index: Tensor,
+    shared_output: Tensor,
+    residual: Tensor,
+    post: Tensor,
+    comb: Tensor,
+    pre: Tensor,
+    norm_weight: Tensor,
+    norm_eps: float,
+    layer_input_format: str,
+    layer_input_bf16: bool,
+) -> list[Tensor]:
+    moe = (gemm2_permuted, expert_weights, index, shared_output)
+    return _run_fp8(
+        handle, state, layer_input_format, layer_input_bf16,
+        lambda op: op.finalize(*moe, residual, post, comb, pre, norm_weight, norm_eps),
+    )  # fmt: skip
+
+
+@dsv41_finalize_fp8.register_fake
+def _(
+    state,
+    handle,
+    gemm2_permuted,
+    expert_weights,
+    index,
+    shared_output,
+    residual,
+    post,
+    comb,
+    pre,
+    norm_weight,
+    norm_eps,
+    layer_input_format,
+    layer_input_bf16,
+):
+    return _fp8_outputs(residual, shared_output, layer_input_format, layer_input_bf16)
+
+
+@torch.library.custom_op("mhc::dsv41_collect_fp8", mutates_args=("state",), device_types="cuda")
+def dsv41_collect_fp8(
+    state: Tensor,
+    handle: int,
+    residual: Tensor,
+    post: Tensor,
+    comb: Tensor,
+    pre: Tensor,
+    norm_weight: Tensor,
+    norm_eps: float,
+    layer_input_format: str,
+    layer_input_bf16: bool,
+) -> list[Tensor]:
+    return _run_fp8(
+        handle, state, layer_input_format, layer_input_bf16,
+        lambda op: op.collect(residual, post, comb, pre, norm_weight, norm_eps),
+    )  # fmt: skip
+
+
+@dsv41_collect_fp8.register_fake
+def _(state, handle, residual, post, comb, pre, norm_weight, norm_eps, layer_input_format, layer_input_bf16):
+    return _fp8_outputs(residual, None, layer_input_format, layer_input_bf16)
+
+
+# -------------------------------------------------------------------- wrappers
+
+
 def boundary(
     op: AllReduceMHC,
     x: Tensor | MoEOutput,
@@ -107,12 +236,27 @@ def boundary(
     pre: Tensor,
     norm_weight: Tensor,
     norm_eps: float | None = None,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, ...]:
     """``op(x, ...)`` (or ``op.finalize`` for a ``MoEOutput`` x) of an ``AllReduceMHC`` through the custom ops
-    (``norm_eps`` None: the op's)."""
+    (``norm_eps`` None: the op's): what the op's call returns, ``(residual_out, layer_input)`` or, with an
+    FP8 layer input, ``(residual_out, q, scales[, layer_input])``."""
     from mhc_core.host.moe import MoEOutput
 
     norm_eps = op.norm_eps if norm_eps is None else norm_eps
+    fmt = op.layer_input
+    if fmt.quantizes:
+        if isinstance(x, MoEOutput):
+            return tuple(
+                torch.ops.mhc.dsv41_finalize_fp8(
+                    op.state, op.handle, x.gemm2_permuted, x.expert_weights, x.expanded_idx_to_permuted_idx,
+                    x.shared_output, residual, post, comb, pre, norm_weight, norm_eps, fmt.format, fmt.keep_bf16,
+                )
+            )  # fmt: skip
+        return tuple(
+            torch.ops.mhc.dsv41_boundary_fp8(
+                op.state, op.handle, x, residual, post, comb, pre, norm_weight, norm_eps, fmt.format, fmt.keep_bf16
+            )
+        )
 
     if isinstance(x, MoEOutput):
         return torch.ops.mhc.dsv41_finalize(
@@ -130,8 +274,15 @@ def collect(
     pre: Tensor,
     norm_weight: Tensor,
     norm_eps: float | None = None,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, ...]:
     """``op.collect(...)`` through the custom ops (after ``mhc_core.host.library.publish_input``;
-    ``norm_eps`` None: the op's)."""
+    ``norm_eps`` None: the op's), returning as ``boundary`` does."""
     norm_eps = op.norm_eps if norm_eps is None else norm_eps
+    fmt = op.layer_input
+    if fmt.quantizes:
+        return tuple(
+            torch.ops.mhc.dsv41_collect_fp8(
+                op.state, op.handle, residual, post, comb, pre, norm_weight, norm_eps, fmt.format, fmt.keep_bf16
+            )
+        )
     return torch.ops.mhc.dsv41_collect(op.state, op.handle, residual, post, comb, pre, norm_weight, norm_eps)

@@ -5,6 +5,12 @@ MoE finalize folded in) that lets the collective launch after its stores, and th
 collective (``mhc_dsv41.kernel``). At tp = 1 a plain call is one launch: the collective
 reads ``x`` itself (nothing to all-reduce; bitwise the mailbox path's outputs); ``finalize``
 and the two-phase form keep the publish. Construction is collective over ``group``.
+
+The layer input's format is an option (issue #33, ``mhc_core.host.layer_input``):
+``layer_input_format="bf16"`` (the default) returns ``(residual_out, layer_input)``; an FP8 format
+(``"fp32-g128"``, ``"ue8m0-g128-packed"``, ``"mx-g32"``: ``mhc_core.fp8``) returns ``(residual_out,
+q, scales)``, and with ``layer_input_bf16=True`` ``(residual_out, q, scales, layer_input)``, from
+``__call__``, ``finalize`` and ``collect`` alike, and takes ``out=`` in the same order.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch
 from mhc_core.device.configs import TRIGGER_AFTER_STORES
 from mhc_core.host.calls import IN_PLACE_LAYER_INPUT, M, Rule, ScalarRule, TensorRule, tensor
 from mhc_core.host.compiler import KernelSpec
+from mhc_core.host.layer_input import LayerInput
 from mhc_core.host.moe import MoEOutput
 from mhc_core.host.op import MAX_NUM_TOKENS, LamportOp
 from mhc_core.host.programs import Fixed, Launch, Pointer, Scalar, Source, pointers
@@ -34,7 +41,9 @@ from .config import (
     resident_clusters,
 )
 
-Outputs = tuple[torch.Tensor, torch.Tensor]
+#: ``(residual_out, layer_input)``; with an FP8 layer input ``(residual_out, q, scales)`` or
+#: ``(residual_out, q, scales, layer_input)`` (module docstring).
+Outputs = tuple[torch.Tensor, ...]
 
 
 class AllReduceMHC(LamportOp):
@@ -67,9 +76,17 @@ class AllReduceMHC(LamportOp):
         check_routes: verify MoE route indices on the device (debug mode).
         norm_eps: the RMSNorm epsilon of every call that passes none (as ``AllReduceMhcBoundary``
             takes it; a preset's ``norm_eps`` with ``from_preset``). A call may still pass its own.
+        layer_input_format: "bf16" (default), or an FP8 E4M3 format with per-group scales in the
+            layout its GEMM reads: "fp32-g128", "ue8m0-g128-packed", "mx-g32" (``mhc_core.fp8``;
+            hidden_size a multiple of its group). A call then returns ``(residual_out, q, scales)``.
+        layer_input_bf16: with an FP8 format, the BF16 layer input too: ``(residual_out, q, scales,
+            layer_input)``, all from one launch.
     """
 
     weight_dtypes = (torch.float32,)
+    #: The layer input's format (``layer_input_format``, ``layer_input_bf16``); BF16 unless built with one.
+    layer_input = LayerInput()
+    _quantizes = False
 
     @collective
     def __init__(
@@ -93,6 +110,8 @@ class AllReduceMHC(LamportOp):
         check_routes: bool = False,
         mailbox_allocation: str | None = None,
         norm_eps: float = 1e-6,
+        layer_input_format: str = "bf16",
+        layer_input_bf16: bool = False,
     ) -> None:
         self.hc_mult = check_int("hc_mult", hc_mult, minimum=1, maximum=16)
         if clusters is not None:
@@ -115,13 +134,18 @@ class AllReduceMHC(LamportOp):
             check_routes=check_routes,
             mailbox_allocation=mailbox_allocation,
         )
+        self.layer_input = LayerInput.checked(layer_input_format, layer_input_bf16, self.hidden_size)
+        self._quantizes = self.layer_input.quantizes
         geometry: dict[str, Any] = dict(default_geometry(hidden_size, hc_mult, self.tp))
         for key, value in (("cluster_size", cluster_size), ("threads", threads), ("rank_lanes", rank_lanes)):
             if value is not None:
                 geometry[key] = check_int(key, value, minimum=1)
         if staged_tokens is not None:
             geometry["staged_tokens"] = check_int("staged_tokens", staged_tokens, minimum=2, maximum=4)
-        self.config = MHCConfig(hidden=hidden_size, hc=hc_mult, tp=self.tp, **geometry)
+        self.config = MHCConfig(
+            hidden=hidden_size, hc=hc_mult, tp=self.tp, **geometry, layer_input_format=self.layer_input.format,
+            layer_input_bf16=self.layer_input.keep_bf16,
+        )  # fmt: skip
         persistent = dataclasses.replace(self.config, persistent=True)
         self._build_publishes()  # every argument checked: from here on the device is touched
         if clusters is None:
@@ -147,8 +171,13 @@ class AllReduceMHC(LamportOp):
         group: Any = None,
         **options: Any,
     ) -> AllReduceMHC:
-        """An op with a preset's geometry; the group's size must be the preset's tp."""
+        """An op with a preset's geometry (and layer-input format: ``options`` giving
+        ``layer_input_format`` replace both of the preset's fields); the group's size must be the
+        preset's tp."""
         warn_if_untuned(preset)
+        layer_input: dict[str, Any] = {"layer_input_bf16": False}
+        if "layer_input_format" not in options:
+            layer_input = {"layer_input_format": preset.layer_input_format, "layer_input_bf16": preset.layer_input_bf16}
         op = cls(
             hidden_size=preset.hidden,
             hc_mult=preset.hc,
@@ -160,7 +189,7 @@ class AllReduceMHC(LamportOp):
             threads=preset.threads,
             rank_lanes=preset.rank_lanes,
             publish_threads=preset.publish_threads,
-            **{"norm_eps": preset.norm_eps, **options},
+            **{"norm_eps": preset.norm_eps, **layer_input, **options},
         )
         if op.tp != preset.tp:
             raise ValueError(f"group: preset {preset.name!r} is for tp = {preset.tp}, the group has tp = {op.tp}")
@@ -198,7 +227,7 @@ class AllReduceMHC(LamportOp):
                 dtype=torch.bfloat16,
                 aliases=("residual",),
             ),
-            tensor("out[1] (layer_input)", (M, self.hidden_size), dtype=torch.bfloat16, aliases=IN_PLACE_LAYER_INPUT),
+            *self.layer_input.output_rules(1, self.hidden_size, aliases=IN_PLACE_LAYER_INPUT),
         )
 
     def _collect_launches(self, *, direct: bool, prefetch: Source) -> list[Launch]:
@@ -207,7 +236,7 @@ class AllReduceMHC(LamportOp):
             **pointers("residual", "post", "comb", "pre"),
             gamma=Pointer("norm_weight"),
             residual_out=Pointer("out[0] (residual_out)"),
-            layer_input=Pointer("out[1] (layer_input)"),
+            **self.layer_input.sources(1),  # layer_input, and FP8's layer_input_q and layer_input_scales
             eps=Scalar("norm_eps"),
             prefetch=prefetch,
             # Read only when direct (tp = 1): the collective then reads x instead of the mailbox.
@@ -220,7 +249,11 @@ class AllReduceMHC(LamportOp):
         return [Launch(functions, kernels[0].signature, sources, min_tokens=(1, self.persistent_min_tokens))]
 
     def _allocate(self, like: Any, values: tuple[Any, ...], m: int) -> tuple[torch.Tensor, ...]:
-        return torch.empty_like(values[0]), self._hidden_like(like, m)  # values[0]: the residual streams
+        if not self._quantizes:
+            return torch.empty_like(values[0]), self._hidden_like(like, m)  # values[0]: the residual streams
+        residual = values[0]
+        tokens = like.shape[0] if like is not None else m  # a call's M is its publish input's
+        return torch.empty_like(residual), *self.layer_input.allocate(like, residual, tokens, self.hidden_size)
 
     def _warmup_collects(self) -> list[tuple[tuple[Any, ...], int]]:
         hc, hidden, device = self.hc_mult, self.hidden_size, self.device
@@ -260,9 +293,11 @@ class AllReduceMHC(LamportOp):
         norm_weight: torch.Tensor,
         norm_eps: float | None = None,
         *,
-        out: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return (post-mixed residual streams ``[M, hc, hidden]``, normalized layer input ``[M, hidden]``).
+        out: Outputs | None = None,
+    ) -> Outputs:
+        """Return (post-mixed residual streams ``[M, hc, hidden]``, normalized layer input ``[M, hidden]``);
+        with an FP8 ``layer_input_format`` ``(residual_out, q, scales)``, or ``(residual_out, q, scales,
+        layer_input)`` with ``layer_input_bf16`` (the module docstring).
 
         Args:
             x: [M, hidden] BF16 TP-partial sublayer output, or a ``MoEOutput`` whose routed top-k
@@ -274,7 +309,10 @@ class AllReduceMHC(LamportOp):
             pre: [M, hc] FP32 carried pre-mix for the collapse.
             norm_weight: [hidden] BF16 RMSNorm weight.
             norm_eps: RMSNorm epsilon (finite, > 0); None: the op's ``norm_eps``.
-            out: optional preallocated (residual_out, layer_input).
+            out: optional preallocated outputs, as the call returns them: (residual_out, layer_input),
+                or (residual_out, q, scales[, layer_input]) with an FP8 format (``q``
+                ``float8_e4m3fn [M, hidden]``, ``scales`` as ``mhc_core.fp8.Fp8Format.empty_scales(M,
+                hidden)`` makes them: its shape, strides and whole allocation).
         """
         eps = self.norm_eps if norm_eps is None else norm_eps
         return cast(Outputs, self._call(x, (residual, post, comb, pre, norm_weight, eps), out))
@@ -292,8 +330,8 @@ class AllReduceMHC(LamportOp):
         norm_weight: torch.Tensor,
         norm_eps: float | None = None,
         *,
-        out: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out: Outputs | None = None,
+    ) -> Outputs:
         """``__call__`` for a MoE output left unfinalized (see ``mhc_core.MoEOutput``).
 
         ``expert_weights`` is ``[M, top_k]`` FP32, already scaled;
@@ -313,18 +351,23 @@ class AllReduceMHC(LamportOp):
         norm_weight: torch.Tensor,
         norm_eps: float | None = None,
         *,
-        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+        out: Outputs | None = None,
         after_publish: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> Outputs:
         """Phase two, for the pending ``publish``. ``after_publish=True`` promises that the
         kernel right before on this stream is that publish (the collective then loads its
         inputs before the PDL wait)."""
         eps = self.norm_eps if norm_eps is None else norm_eps
         return cast(Outputs, self._collect_pending((residual, post, comb, pre, norm_weight, eps), out, after_publish))
 
+    def _layer_input_repr(self) -> str:
+        if not self._quantizes:
+            return ""
+        return f"layer_input_format={self.layer_input.format!r}, layer_input_bf16={self.layer_input.keep_bf16}, "
+
     def __repr__(self) -> str:
         c = self.config
         return (
             f"AllReduceMHC(hc={c.hc}, cluster_size={c.cluster_size}, threads={c.threads}, "
-            f"rank_lanes={c.rank_lanes}, trips={c.trips}, {self._describe()})"
+            f"rank_lanes={c.rank_lanes}, trips={c.trips}, {self._layer_input_repr()}{self._describe()})"
         )

@@ -37,6 +37,8 @@ PRESET = DSV41Preset(
     archs=("sm_103a", "sm_100a"),
     publish_threads=128,
     tuned=False,
+    layer_input_format="bf16",
+    layer_input_bf16=False,
     description="GB300, TP4: the seed's LL_ALL_REDUCE_GB300_TP4_H5120 geometry",
 )
 
