@@ -12,6 +12,15 @@ and handle; ``boundary`` / ``collect`` / ``join`` below take the op itself.
 Threads: each op here is one call of the op under its lock, the hand-over of the side outputs
 included. A join returns the side outputs of the op's last boundary call, whichever thread made
 it: threads sharing one op pair their boundary and join calls under a lock of their own.
+
+An op built with an FP8 ``layer_input_format`` (issue #33) goes through ``mhc::glm5_boundary_fp8``,
+``mhc::glm5_boundary_moe_fp8`` and ``mhc::glm5_collect_fp8``: the same arguments, then the format and
+``layer_input_bf16`` (checked against the op's: the fake implementations derive the outputs from the
+arguments alone), returning a list ``[residual_out, q, scales]`` or ``[residual_out, q, scales,
+layer_input]`` (``mhc_core.host.layer_input``: ``q`` ``float8_e4m3fn [M, hidden]``, ``scales`` of the
+format's shape, strides and allocation, ``mhc_core.fp8.Fp8Format.empty_scales``); ``mhc::glm5_join``
+is the same for both. Separate ops, so that the BF16 ones keep their schema and cost; the wrappers
+pick by the op's format and return a tuple.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import torch
 from torch import Tensor
 
 from mhc_core.host import library
+from mhc_core.host.layer_input import LayerInput
 
 if TYPE_CHECKING:  # the wrappers below are typed by the op class (imported by the caller already)
     from mhc_core.host.moe import MoEOutput
@@ -34,11 +44,12 @@ from .config import HC
 _UNJOINED: dict[int, tuple[Tensor, Tensor]] = {}
 
 
-def _fused(handle: int, outputs: tuple[Tensor, Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-    """Keep a boundary call's side outputs for its join (called under the op's lock)."""
-    residual_out, post_out, comb_out, layer_input = outputs
+def _fused(handle: int, outputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """Keep a boundary call's side outputs for its join (called under the op's lock); the rest:
+    ``(residual_out, layer_input)``, or ``(residual_out, q, scales[, layer_input])`` with FP8."""
+    residual_out, post_out, comb_out, *layer_input = outputs
     _UNJOINED[handle] = (post_out, comb_out)
-    return residual_out, layer_input
+    return residual_out, *layer_input
 
 
 def _joined(handle: int, op: Any) -> tuple[Tensor, Tensor]:
@@ -125,6 +136,118 @@ def _(state, handle, residual, post, comb, fn, scale, base, norm_weight):
     return torch.empty_like(residual), residual.new_empty(residual.shape[0], residual.shape[2])
 
 
+# ------------------------------------------------------------------ FP8 layer input
+def _fp8_outputs(
+    residual: Tensor, like: Tensor | None, layer_input_format: str, layer_input_bf16: bool
+) -> list[Tensor]:
+    """The fake outputs: ``like`` is the publish input (x, the MoE shared output) or None (a collect)."""
+    m, hidden = residual.shape[0], residual.shape[2]
+    outputs = LayerInput(layer_input_format, layer_input_bf16).allocate(like, residual, m, hidden)
+    return [torch.empty_like(residual), *outputs]
+
+
+def _run_fp8(handle: int, state: Tensor, layer_input_format: str, layer_input_bf16: bool, call) -> list[Tensor]:
+    """``call(op)`` (the op's outputs) with the side outputs kept for the join, once the op is known to
+    write the format the call's fake implementation assumed."""
+
+    def checked(op: AllReduceMhcBoundary) -> list[Tensor]:
+        wanted = LayerInput(layer_input_format, layer_input_bf16)
+        if op.layer_input != wanted:
+            raise ValueError(
+                f"layer_input_format: the op behind handle {handle} writes {op.layer_input.format!r} "
+                f"(layer_input_bf16={op.layer_input.keep_bf16}), the call asks for {layer_input_format!r} "
+                f"(layer_input_bf16={layer_input_bf16})"
+            )
+        return list(_fused(handle, call(op)))
+
+    return library.run(handle, state, checked)
+
+
+@torch.library.custom_op("mhc::glm5_boundary_fp8", mutates_args=("state",), device_types="cuda")
+def glm5_boundary_fp8(
+    state: Tensor,
+    handle: int,
+    x: Tensor,
+    residual: Tensor,
+    post: Tensor,
+    comb: Tensor,
+    fn: Tensor,
+    scale: Tensor,
+    base: Tensor,
+    norm_weight: Tensor,
+    layer_input_format: str,
+    layer_input_bf16: bool,
+) -> list[Tensor]:
+    return _run_fp8(
+        handle, state, layer_input_format, layer_input_bf16,
+        lambda op: op(x, residual, post, comb, fn, scale, base, norm_weight),
+    )  # fmt: skip
+
+
+@glm5_boundary_fp8.register_fake
+def _(state, handle, x, residual, post, comb, fn, scale, base, norm_weight, layer_input_format, layer_input_bf16):
+    return _fp8_outputs(residual, x, layer_input_format, layer_input_bf16)
+
+
+@torch.library.custom_op("mhc::glm5_boundary_moe_fp8", mutates_args=("state",), device_types="cuda")
+def glm5_boundary_moe_fp8(
+    state: Tensor,
+    handle: int,
+    gemm2_permuted: Tensor,
+    expert_weights: Tensor,
+    index: Tensor,
+    shared_output: Tensor,
+    residual: Tensor,
+    post: Tensor,
+    comb: Tensor,
+    fn: Tensor,
+    scale: Tensor,
+    base: Tensor,
+    norm_weight: Tensor,
+    layer_input_format: str,
+    layer_input_bf16: bool,
+) -> list[Tensor]:
+    from mhc_core.host.moe import MoEOutput
+
+    moe = MoEOutput(gemm2_permuted, expert_weights, index, shared_output)
+    return _run_fp8(
+        handle, state, layer_input_format, layer_input_bf16,
+        lambda op: op(moe, residual, post, comb, fn, scale, base, norm_weight),
+    )  # fmt: skip
+
+
+@glm5_boundary_moe_fp8.register_fake
+def _(state, handle, gemm2_permuted, expert_weights, index, shared_output, residual, post, comb, fn, scale, base,
+      norm_weight, layer_input_format, layer_input_bf16):  # fmt: skip
+    return _fp8_outputs(residual, shared_output, layer_input_format, layer_input_bf16)
+
+
+@torch.library.custom_op("mhc::glm5_collect_fp8", mutates_args=("state",), device_types="cuda")
+def glm5_collect_fp8(
+    state: Tensor,
+    handle: int,
+    residual: Tensor,
+    post: Tensor,
+    comb: Tensor,
+    fn: Tensor,
+    scale: Tensor,
+    base: Tensor,
+    norm_weight: Tensor,
+    layer_input_format: str,
+    layer_input_bf16: bool,
+) -> list[Tensor]:
+    return _run_fp8(
+        handle, state, layer_input_format, layer_input_bf16,
+        lambda op: op.collect(residual, post, comb, fn, scale, base, norm_weight),
+    )  # fmt: skip
+
+
+@glm5_collect_fp8.register_fake
+def _(state, handle, residual, post, comb, fn, scale, base, norm_weight, layer_input_format, layer_input_bf16):
+    return _fp8_outputs(residual, None, layer_input_format, layer_input_bf16)
+
+
+# ------------------------------------------------------------------ join
 @torch.library.custom_op("mhc::glm5_join", mutates_args=("state",), device_types="cuda")
 def glm5_join(state: Tensor, handle: int, residual_out: Tensor) -> tuple[Tensor, Tensor]:
     """``residual_out``: the boundary call's first output (it gives M, and orders the join after it)."""
@@ -147,11 +270,26 @@ def boundary(
     scale: Tensor,
     base: Tensor,
     norm_weight: Tensor,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, ...]:
     """``op(x, ...)`` of an ``AllReduceMhcBoundary`` through the custom ops (``x``: a tensor or a
-    ``MoEOutput``): ``(residual_out, layer_input)``; ``join`` gives ``(post_out, comb_out)``."""
+    ``MoEOutput``): ``(residual_out, layer_input)``, or with an FP8 layer input ``(residual_out, q,
+    scales[, layer_input])``; ``join`` gives ``(post_out, comb_out)``."""
     from mhc_core.host.moe import MoEOutput
 
+    fmt = op.layer_input
+    if fmt.quantizes:
+        if isinstance(x, MoEOutput):
+            return tuple(
+                torch.ops.mhc.glm5_boundary_moe_fp8(
+                    op.state, op.handle, x.gemm2_permuted, x.expert_weights, x.expanded_idx_to_permuted_idx,
+                    x.shared_output, residual, post, comb, fn, scale, base, norm_weight, fmt.format, fmt.keep_bf16,
+                )
+            )  # fmt: skip
+        return tuple(
+            torch.ops.mhc.glm5_boundary_fp8(
+                op.state, op.handle, x, residual, post, comb, fn, scale, base, norm_weight, fmt.format, fmt.keep_bf16
+            )
+        )
     if isinstance(x, MoEOutput):
         return torch.ops.mhc.glm5_boundary_moe(
             op.state, op.handle, x.gemm2_permuted, x.expert_weights, x.expanded_idx_to_permuted_idx, x.shared_output,
@@ -169,8 +307,16 @@ def collect(
     scale: Tensor,
     base: Tensor,
     norm_weight: Tensor,
-) -> tuple[Tensor, Tensor]:
-    """``op.collect(...)`` through the custom ops (after ``mhc_core.host.library.publish_input``)."""
+) -> tuple[Tensor, ...]:
+    """``op.collect(...)`` through the custom ops (after ``mhc_core.host.library.publish_input``),
+    returning as ``boundary`` does."""
+    fmt = op.layer_input
+    if fmt.quantizes:
+        return tuple(
+            torch.ops.mhc.glm5_collect_fp8(
+                op.state, op.handle, residual, post, comb, fn, scale, base, norm_weight, fmt.format, fmt.keep_bf16
+            )
+        )
     return torch.ops.mhc.glm5_collect(op.state, op.handle, residual, post, comb, fn, scale, base, norm_weight)
 
 

@@ -21,6 +21,15 @@ before the capture ends, so the side stream rejoins the captured one. The side k
 tensors (``post_out``, ``comb_out``, ``scale``, ``base``) stay alive until it is joined, also
 when the caller drops them first (``mhc_core.host.streams.SideWork``); the op's own hand-off rows
 and raw mixes outlive the op until its side work has finished.
+
+The layer input's format is an option (issue #33, ``mhc_core.host.layer_input``):
+``layer_input_format="bf16"`` (the default) returns ``(residual_out, post_out, comb_out,
+layer_input)``; an FP8 format (``"fp32-g128"``, ``"ue8m0-g128-packed"``, ``"mx-g32"``: ``mhc_core.fp8``)
+returns ``(residual_out, post_out, comb_out, q, scales)``, and with ``layer_input_bf16=True``
+``(residual_out, post_out, comb_out, q, scales, layer_input)``, from ``__call__`` (plain and MoE
+input) and ``collect`` alike, and takes ``out=`` in the same order. The boundary kernels quantise it
+in registers (``mhc_glm5.fp8_store``). The side stream's mixes kernel reads only the raw mixes the
+boundary hands off, never the layer input, so an FP8-only op needs no BF16 copy for it.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from mhc_core.constants import SUPPORTED_ARCHS
 from mhc_core.device.configs import TRIGGER_AFTER_WAIT
 from mhc_core.host.calls import IN_PLACE_LAYER_INPUT, M, Rule, TensorRule, tensor
 from mhc_core.host.compiler import KernelSpec
+from mhc_core.host.layer_input import LayerInput
 from mhc_core.host.moe import MoEOutput
 from mhc_core.host.op import MAX_NUM_TOKENS, LamportOp
 from mhc_core.host.programs import DIM_M, Fixed, Launch, Pointer, Source, pointers
@@ -54,13 +64,20 @@ from .config import (
     thresholds_from_mapping,
 )
 
-Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-OUTPUT_NAMES = ("out[0] (residual_out)", "out[1] (post_out)", "out[2] (comb_out)", "out[3] (layer_input)")
-OUTPUT_DTYPES = (torch.bfloat16, torch.float32, torch.float32, torch.bfloat16)
+#: ``(residual_out, post_out, comb_out, layer_input)``; with an FP8 layer input ``(residual_out,
+#: post_out, comb_out, q, scales)`` or ``(..., q, scales, layer_input)`` (module docstring).
+Outputs = tuple[torch.Tensor, ...]
+#: The outputs before the layer input's (``mhc_core.host.layer_input.LayerInput.output_rules`` from
+#: ``out[3]`` on).
+OUTPUT_NAMES = ("out[0] (residual_out)", "out[1] (post_out)", "out[2] (comb_out)")
+OUTPUT_DTYPES = (torch.bfloat16, torch.float32, torch.float32)
 #: What each output may be, in place: the boundary reads a token's residual streams and x before it
 #: writes them (and no other cluster reads them). post_out and comb_out are written by the mixes
-#: kernel on the side stream while the boundary may still read post and comb: never in place.
-OUTPUT_ALIASES = (("residual",), (), (), IN_PLACE_LAYER_INPUT)
+#: kernel on the side stream while the boundary may still read post and comb: never in place. The
+#: BF16 layer input may be x (``IN_PLACE_LAYER_INPUT``); q and the scales are memory of their own.
+OUTPUT_ALIASES = (("residual",), (), ())
+#: Index of the layer input's first output.
+LAYER_INPUT_OUTPUT = len(OUTPUT_NAMES)
 
 
 Thresholds = tuple[tuple[int, int], ...]
@@ -96,7 +113,17 @@ class AllReduceMhcBoundary(LamportOp):
             device holds at once (``mhc_glm5.config.persistent_clusters``).
         group, transport, spin_timeout_ms, check_routes, mailbox_allocation: as ``mhc_core.LamportOp``
             (``mhc_dsv41.AllReduceMHC`` documents them).
+        layer_input_format: "bf16" (default), or an FP8 E4M3 format with per-group scales in the
+            layout its GEMM reads: "fp32-g128", "ue8m0-g128-packed", "mx-g32" (``mhc_core.fp8``;
+            hidden_size a multiple of its group, and of the group times cluster_size: no group
+            straddles a cluster's CTAs). A call then returns ``(residual_out, post_out, comb_out, q,
+            scales)``.
+        layer_input_bf16: with an FP8 format, the BF16 layer input too: ``(residual_out, post_out,
+            comb_out, q, scales, layer_input)``, all from one launch.
     """
+
+    #: The layer input's format (``layer_input_format``, ``layer_input_bf16``); BF16 unless built with one.
+    layer_input = LayerInput()
 
     @collective
     def __init__(
@@ -122,6 +149,8 @@ class AllReduceMhcBoundary(LamportOp):
         spin_timeout_ms: float | None = None,
         check_routes: bool = False,
         mailbox_allocation: str | None = None,
+        layer_input_format: str = "bf16",
+        layer_input_bf16: bool = False,
     ) -> None:
         check_int("top_k", top_k, minimum=1, maximum=MAX_TOP_K)
         if clusters is not None:
@@ -139,6 +168,7 @@ class AllReduceMhcBoundary(LamportOp):
             check_routes=check_routes,
             mailbox_allocation=mailbox_allocation,
         )
+        self.layer_input = LayerInput.checked(layer_input_format, layer_input_bf16, self.hidden_size)
         if isinstance(cluster_tokens, Mapping):
             cluster_tokens = thresholds_from_mapping(cluster_tokens)
         # Every hidden / cluster rule the presets obey, checked the same way, before anything is
@@ -162,6 +192,8 @@ class AllReduceMhcBoundary(LamportOp):
                 publish_threads=publish_threads,
                 mixes_threads=mixes_threads,
                 persistent_min_tokens=0 if persistent_min_tokens is None else persistent_min_tokens,
+                layer_input_format=self.layer_input.format,
+                layer_input_bf16=self.layer_input.keep_bf16,
             )
         except PresetError as error:
             raise ValueError(f"{error.key}: {error.rule}; got {error.value!r}") from None
@@ -205,8 +237,13 @@ class AllReduceMhcBoundary(LamportOp):
         group: Any = None,
         **options: Any,
     ) -> AllReduceMhcBoundary:
-        """An op with a preset's constants and geometry; the group's size must be the preset's tp."""
+        """An op with a preset's constants and geometry (and layer-input format: ``options`` giving
+        ``layer_input_format`` replace both of the preset's fields); the group's size must be the
+        preset's tp."""
         warn_if_untuned(preset)
+        layer_input: dict[str, Any] = {}
+        if "layer_input_format" not in options:
+            layer_input = {"layer_input_format": preset.layer_input_format, "layer_input_bf16": preset.layer_input_bf16}
         op = cls(
             hidden_size=preset.hidden,
             max_num_tokens=max_num_tokens,
@@ -223,7 +260,7 @@ class AllReduceMhcBoundary(LamportOp):
             group=group,
             publish_threads=preset.publish_threads,
             mixes_threads=preset.mixes_threads,
-            **options,
+            **{**layer_input, **options},
         )
         if op.tp != preset.tp:
             raise ValueError(f"group: preset {preset.name!r} is for tp = {preset.tp}, the group has tp = {op.tp}")
@@ -309,10 +346,13 @@ class AllReduceMhcBoundary(LamportOp):
         )
 
     def _output_rules(self) -> tuple[TensorRule, ...]:
-        shapes = ((M, HC, self.hidden_size), (M, HC, 1), (M, HC, HC), (M, self.hidden_size))
-        return tuple(
-            tensor(name, shape, dtype=dtype, aliases=aliases)
-            for name, shape, dtype, aliases in zip(OUTPUT_NAMES, shapes, OUTPUT_DTYPES, OUTPUT_ALIASES, strict=True)
+        shapes = ((M, HC, self.hidden_size), (M, HC, 1), (M, HC, HC))
+        return (
+            *(
+                tensor(name, shape, dtype=dtype, aliases=aliases)
+                for name, shape, dtype, aliases in zip(OUTPUT_NAMES, shapes, OUTPUT_DTYPES, OUTPUT_ALIASES, strict=True)
+            ),
+            *self.layer_input.output_rules(LAYER_INPUT_OUTPUT, self.hidden_size, aliases=IN_PLACE_LAYER_INPUT),
         )
 
     def _variants(self) -> list[tuple[int, str]]:
@@ -324,13 +364,14 @@ class AllReduceMhcBoundary(LamportOp):
         return [name for threshold, name in self._variants() if m >= threshold][-1]
 
     def _collect_launches(self, *, direct: bool, prefetch: Source) -> list[Launch]:
-        residual_out, post_out, comb_out, layer_input = (Pointer(name) for name in OUTPUT_NAMES)
+        residual_out, post_out, comb_out = (Pointer(name) for name in OUTPUT_NAMES)
         boundary: dict[str, Source] = dict(
             self._collective_fixed(),
             **pointers("residual", "post", "comb", "fn", "scale", "base"),
             gamma=Pointer("norm_weight"),
             residual_out=residual_out,
-            layer_input=layer_input,
+            # layer_input, and FP8's layer_input_q and layer_input_scales
+            **self.layer_input.sources(LAYER_INPUT_OUTPUT),
             mixes_out=Fixed(self._mixes_handoff),
             arrivals=Fixed(self._arrivals),
             # Read only when direct (tp = 1): the boundary then reads x instead of the mailbox.
@@ -373,7 +414,11 @@ class AllReduceMhcBoundary(LamportOp):
         residual, post, comb = values[:3]
         # post is [M, 4, 1] or [M, 4]: post_out is [M, 4, 1] either way (a contiguous view of the latter).
         post_out = torch.empty_like(post) if post.dim() == 3 else torch.empty_like(post).unsqueeze(2)
-        return torch.empty_like(residual), post_out, torch.empty_like(comb), self._hidden_like(like, m)
+        if not self.layer_input.quantizes:
+            return torch.empty_like(residual), post_out, torch.empty_like(comb), self._hidden_like(like, m)
+        tokens = like.shape[0] if like is not None else m  # a call's M is its publish input's
+        layer_input = self.layer_input.allocate(like, residual, tokens, self.hidden_size)
+        return torch.empty_like(residual), post_out, torch.empty_like(comb), *layer_input
 
     def _warmup_collects(self) -> list[tuple[tuple[Any, ...], int]]:
         hidden, device = self.hidden_size, self.device
@@ -411,7 +456,9 @@ class AllReduceMhcBoundary(LamportOp):
         out: Sequence[torch.Tensor] | None = None,
     ) -> Outputs:
         """Return ``(residual_out [M, 4, hidden] BF16, post_out [M, 4, 1] FP32, comb_out [M, 4, 4] FP32,
-        layer_input [M, hidden] BF16)`` of ``hc_fused_post_pre`` applied to the TP sum of ``x``.
+        layer_input [M, hidden] BF16)`` of ``hc_fused_post_pre`` applied to the TP sum of ``x``; with an
+        FP8 ``layer_input_format`` ``(residual_out, post_out, comb_out, q, scales)``, or ``(...,
+        q, scales, layer_input)`` with ``layer_input_bf16`` (the module docstring).
 
         Args:
             x: [M, hidden] BF16 TP-partial sublayer output, or a ``MoEOutput`` whose
@@ -422,7 +469,9 @@ class AllReduceMhcBoundary(LamportOp):
             fn: [24, 4 * hidden] BF16 prenorm GEMV weight.
             scale: [3] FP32 mix scales. base: [24] FP32 mix biases.
             norm_weight: [hidden] BF16 RMSNorm weight.
-            out: optional preallocated outputs, in the order returned.
+            out: optional preallocated outputs, in the order returned (``q`` ``float8_e4m3fn
+                [M, hidden]``, ``scales`` as ``mhc_core.fp8.Fp8Format.empty_scales(M, hidden)`` makes
+                them: its shape, strides and whole allocation).
 
         ``post_out`` and ``comb_out`` are written on a side stream: complete after ``join()``.
         """
@@ -447,9 +496,14 @@ class AllReduceMhcBoundary(LamportOp):
             Outputs, self._collect_pending((residual, post, comb, fn, scale, base, norm_weight), out, after_publish)
         )
 
+    def _layer_input_repr(self) -> str:
+        if not self.layer_input.quantizes:
+            return ""
+        return f"layer_input_format={self.layer_input.format!r}, layer_input_bf16={self.layer_input.keep_bf16}, "
+
     def __repr__(self) -> str:
         return (
             f"AllReduceMhcBoundary(cluster_size={self.preset.cluster_size}, threads={self.preset.threads}, "
             f"cluster_tokens={list(self.cluster_tokens)}, persistent_min_tokens={self.persistent_min_tokens}, "
-            f"clusters={self.clusters}, {self._describe()})"
+            f"clusters={self.clusters}, {self._layer_input_repr()}{self._describe()})"
         )
