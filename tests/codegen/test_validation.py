@@ -26,7 +26,8 @@ DSV_KEYS = (
 )
 GLM_KEYS = (
     "hidden, hc, tp, top_k, cluster_size, cluster_tokens, rms_eps, hc_eps, post_mult, sinkhorn_repeat, "
-    "norm_eps, archs, publish_threads, mixes_threads, persistent_min_tokens, tuned, description"
+    "norm_eps, archs, publish_threads, mixes_threads, persistent_min_tokens, tuned, layer_input_format, "
+    "layer_input_bf16, description"
 )
 
 #: The rule of a float the kernels compute with in FP32 (``mhc_core.presets.require_positive_float``).
