@@ -20,10 +20,11 @@ The matrix (``CONFIGS``): every H200 preset in both modes and every format in bo
 at tp 1 every format beside the BF16 copy; ``test-tp4-h7168`` (three trips in rank-lane pairs, the
 last partial) and two plain-constructor hidden sizes whose last packed scale word is partial. Each
 configuration is one op whose two collectives (one-token, persistent) compile once: 2 x 14 = 28
-kernels, built at construction (its warm-up launches each once: nothing is first launched behind a
-spinning collective). Each config's ops: the default threshold (every call one-token) and the
-persistent collective at every M with few clusters (looping over tokens), as the BF16 ops of
-``test_allreduce_mhc_gpu``, whose kernels these share. A poisoned op (closed, a captured graph
+kernels, and the plain sizes' publish and finalize 4 more, built at construction (its warm-up
+launches each once: nothing is first launched behind a spinning collective). Each config's ops: the
+default threshold (every call one-token) and the persistent collective at every M with few clusters
+(looping over tokens), as the BF16 ops of ``test_allreduce_mhc_gpu`` (shared: their kernels are the
+BF16 suite's). A poisoned op (closed, a captured graph
 replayed) writes NaN codes and NaN scales, padding 0.
 """
 
@@ -271,19 +272,18 @@ def check_call(results: list, references: list | None, fmt: str, both: bool, m: 
         check_layout(outputs, fmt, both, m, hidden, where)
         if references is not None:
             assert_bytes_equal(outputs[0], references[rank][0], f"{where}: residual_out")
-            layer_input = references[rank][1]
             if both:
-                assert_bytes_equal(outputs[3], layer_input, f"{where}: BF16 layer input beside FP8")
-        else:
-            layer_input = outputs[3]
+                assert_bytes_equal(outputs[3], references[rank][1], f"{where}: BF16 layer input beside FP8")
+        if rank:  # every rank's outputs are rank 0's (whose q and scales are checked below)
+            for index, (mine, first) in enumerate(zip(outputs, results[0], strict=True)):
+                assert_bytes_equal(mine, first, f"{where}: output {index} against rank 0")
+            continue
+        layer_input = references[0][1] if references is not None else outputs[3]
         assert bool(torch.isfinite(layer_input).all()), f"{where}: the inputs must give a finite layer input"
         q, scales = fp8.quantize(fmt, layer_input.cpu())  # on the CPU: IEEE divisions, no reciprocal
         assert_bytes_equal(outputs[1], q, f"{where}: q")
         assert_bytes_equal(outputs[2], scales, f"{where}: the scales, padding included")
-        if rank == 0:
-            check_special_values(outputs[1], layer_input, fmt, m, where)
-        for index, (mine, first) in enumerate(zip(outputs, results[0], strict=True)):
-            assert_bytes_equal(mine, first, f"{where}: output {index} against rank 0")
+        check_special_values(outputs[1], layer_input, fmt, m, where)
 
 
 # ------------------------------------------------------------------ calls

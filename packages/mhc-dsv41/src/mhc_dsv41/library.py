@@ -243,8 +243,8 @@ def boundary(
     from mhc_core.host.moe import MoEOutput
 
     norm_eps = op.norm_eps if norm_eps is None else norm_eps
-    fmt = op.layer_input
-    if fmt.quantizes:
+    fmt = getattr(op, "layer_input", None)  # a stand-in with state and handle alone: BF16
+    if fmt is not None and fmt.quantizes:
         if isinstance(x, MoEOutput):
             return tuple(
                 torch.ops.mhc.dsv41_finalize_fp8(
@@ -278,8 +278,8 @@ def collect(
     """``op.collect(...)`` through the custom ops (after ``mhc_core.host.library.publish_input``;
     ``norm_eps`` None: the op's), returning as ``boundary`` does."""
     norm_eps = op.norm_eps if norm_eps is None else norm_eps
-    fmt = op.layer_input
-    if fmt.quantizes:
+    fmt = getattr(op, "layer_input", None)  # a stand-in with state and handle alone: BF16
+    if fmt is not None and fmt.quantizes:
         return tuple(
             torch.ops.mhc.dsv41_collect_fp8(
                 op.state, op.handle, residual, post, comb, pre, norm_weight, norm_eps, fmt.format, fmt.keep_bf16

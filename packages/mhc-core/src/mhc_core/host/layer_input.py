@@ -144,7 +144,8 @@ class LayerInput:
         its shape and dtype) or, with ``like`` None, new from ``base`` (any tensor on the op's device:
         the residual streams); ``q`` and the scales new from ``base``. Real and fake tensors alike (a
         fake implementation's M may be symbolic)."""
-        hidden_out = () if not (self.keep_bf16 or not self.quantizes) else (self._bf16(like, base, m, hidden),)
+        writes_bf16 = self.keep_bf16 or not self.quantizes
+        hidden_out = (self._bf16(like, base, m, hidden),) if writes_bf16 else ()
         if not self.quantizes:
             return hidden_out
         q = base.new_empty((m, hidden), dtype=torch.float8_e4m3fn)
