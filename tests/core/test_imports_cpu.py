@@ -26,6 +26,7 @@ DEVICE_MODULES = {
     "mhc_glm5.mixes",
     "mhc_glm5.fn_stage",
     "mhc_glm5.stages",
+    "mhc_glm5.fp8_store",
 }
 #: Pure modules both layers share (constants, preset rules); neither layer's.
 SHARED = {

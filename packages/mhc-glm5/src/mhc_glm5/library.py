@@ -42,6 +42,13 @@ from .config import HC
 
 #: Per handle, the side-stream outputs of the last boundary call, until its join.
 _UNJOINED: dict[int, tuple[Tensor, Tensor]] = {}
+#: The layer input of an op-like object that names none (a stand-in with only ``state`` and
+#: ``handle``, as the demo's and the benchmarks' tracing tests pass): BF16.
+_BF16 = LayerInput()
+
+
+def _layer_input(op: Any) -> LayerInput:
+    return getattr(op, "layer_input", _BF16)
 
 
 def _fused(handle: int, outputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
@@ -276,7 +283,7 @@ def boundary(
     scales[, layer_input])``; ``join`` gives ``(post_out, comb_out)``."""
     from mhc_core.host.moe import MoEOutput
 
-    fmt = op.layer_input
+    fmt = _layer_input(op)
     if fmt.quantizes:
         if isinstance(x, MoEOutput):
             return tuple(
@@ -310,7 +317,7 @@ def collect(
 ) -> tuple[Tensor, ...]:
     """``op.collect(...)`` through the custom ops (after ``mhc_core.host.library.publish_input``),
     returning as ``boundary`` does."""
-    fmt = op.layer_input
+    fmt = _layer_input(op)
     if fmt.quantizes:
         return tuple(
             torch.ops.mhc.glm5_collect_fp8(
