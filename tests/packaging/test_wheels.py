@@ -24,8 +24,8 @@ TORCH = "torch>=2.11,<2.14"
 PACKAGES = {
     # distribution: (import name, pins its METADATA must declare). No base pin names a CUDA major
     # (issue #34): the DSL's runtime comes from an extra.
-    # numpy: mhc_core.host.spin uses Tensor.numpy(); apache-tvm-ffi: the launch convention.
-    "mhc-core": ("mhc_core", {TORCH, "numpy", "apache-tvm-ffi<0.2,>=0.1.15"}),
+    # apache-tvm-ffi: the launch convention (no numpy: spin.py reads the error report through ctypes).
+    "mhc-core": ("mhc_core", {TORCH, "apache-tvm-ffi<0.2,>=0.1.15"}),
     "mhc-dsv41": ("mhc_dsv41", {"mhc-core~=0.6.0", TORCH}),  # 0.6.0: the startup votes, mailbox_allocation
     "mhc-glm5": ("mhc_glm5", {"mhc-core~=0.6.0", TORCH}),
 }

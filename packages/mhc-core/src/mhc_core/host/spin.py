@@ -38,6 +38,7 @@ the same setting (the M check writes and reads a header only when it is on).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 
@@ -168,7 +169,9 @@ class SpinGuard:
         # store into it at its host address. A slot of its own, never freed (``_REPORT_SLOTS``).
         self.flag = _REPORT_SLOTS.take(ERROR_RANKS + tp)
         self.address = self.flag.data_ptr()
-        self._words = self.flag.numpy()
+        # Read through ctypes at that address: every index is a fresh load of host memory the
+        # kernels write (no numpy needed; the tensor stays alive in the slot pool).
+        self._words = (ctypes.c_int32 * self.flag.numel()).from_address(self.address)
         self.device = device
         self.failure: Exception | None = None
 
@@ -195,7 +198,8 @@ class SpinGuard:
                 failure.args = (f"{failure.args[0]} (a route report was pending too: {route})",)
             self.failure = failure
             raise failure
-        self._words[ROUTE_CODE : ROUTE_INDEX + 1] = 0
+        for word in range(ROUTE_CODE, ROUTE_INDEX + 1):
+            self._words[word] = 0
         assert route is not None
         raise route
 
