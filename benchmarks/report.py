@@ -64,6 +64,74 @@ def overlap_table(records) -> str:
     return "\n".join(lines)
 
 
+def fp8_table(records) -> str:
+    """``--suite fp8`` (``benchmarks.fp8``): per model and format, one row per M: the BF16 op, the fastest
+    separate quantisation after it (which), the fused op in FP8-only and both-outputs modes, each with
+    its byte floor; what the separate step and the fused one add over the BF16 op; the goal ratios
+    (fused addition / (separate addition / 4), <= 1 meets it; at M = 1 also fused addition / 0.3 us).
+    Every check that did not find the outputs bit-equal is listed under the table."""
+    from .fp8 import BF16_OP, FUSED, FUSED_BOTH, GOAL_ADDED_AT_1_US, GOAL_FRACTION, SEPARATE
+
+    unremarkable = (None, "bit-equal")
+    both_floor = "its floor alone adds a third of the separate step's"
+
+    def cell(record) -> str:
+        return f"{record.us:.2f} ({record.floor_us:.2f})" if record is not None else ""
+
+    def added(record, base) -> float | None:
+        return record.us - base.us if record is not None and base is not None else None
+
+    lines, notes = [], []
+    misses: dict[str, list[str]] = {"fp8": [], "both": []}
+    by_suite = defaultdict(list)
+    for record in records:
+        by_suite[(record.suite, record.tp)].append(record)
+    for (suite, tp), rows in by_suite.items():
+        bf16 = {r.m: r for r in rows if r.variant == BF16_OP}
+        formats = list(dict.fromkeys(r.variant.split(" | ")[0] for r in rows if " | " in r.variant))
+        lines.append(f"\n{suite}, tp {tp} (median us per call, CUDA-graph replays; byte floor in parentheses)")
+        lines.append(
+            "| format | M | bf16 op | best separate: bf16 op + | fused fp8 | fused fp8 + bf16 | separate adds "
+            f"| fused adds: fp8 / both | goal: fused / (separate x {GOAL_FRACTION}), fp8 / both |"
+        )
+        lines.append("|" + "---|" * 9)
+        for name in formats:
+            for m in sorted({r.m for r in rows}):
+                at = {r.variant.split(" | ", 1)[1]: r for r in rows if r.m == m and r.variant.startswith(f"{name} | ")}
+                base = bf16.get(m)
+                separates = [r for key, r in at.items() if key.startswith(SEPARATE)]
+                best = min(separates, key=lambda r: r.us) if separates else None
+                fused, both = at.get(FUSED), at.get(FUSED_BOTH)
+                separate_add = added(best, base)
+                fused_adds = [added(fused, base), added(both, base)]
+                ratios = []
+                for mode, add in zip(("fp8", "both"), fused_adds, strict=True):
+                    if add is None or separate_add is None or separate_add <= 0:
+                        ratios.append("")
+                        continue
+                    ratio = add / (separate_add * GOAL_FRACTION)
+                    text = f"{ratio:.2f}"
+                    if m == 1:
+                        text += f" ({add / GOAL_ADDED_AT_1_US:.2f} of {GOAL_ADDED_AT_1_US} us)"
+                    if ratio > 1 or (m == 1 and add > GOAL_ADDED_AT_1_US):
+                        misses[mode].append(f"{suite} {name} M = {m}")
+                    ratios.append(text)
+                which = f"{best.variant.split(SEPARATE, 1)[1]} " if best is not None else ""
+                lines.append(
+                    f"| {name} | {m} | {cell(base)} | {which}{cell(best)} | {cell(fused)} | {cell(both)} | "
+                    + (f"{separate_add:.2f}" if separate_add is not None else "")
+                    + " | "
+                    + " / ".join(f"{add:.2f}" if add is not None else "-" for add in fused_adds)
+                    + f" | {' / '.join(ratio or '-' for ratio in ratios)} |"
+                )
+                notes += [f"{suite} {r.variant} M = {m}: {r.note}" for r in at.values() if r.note not in unremarkable]
+    for mode, what in (("fp8", "FP8 only"), ("both", f"both outputs ({both_floor})")):
+        missed = misses[mode]
+        lines.append(f"goal, {what}: " + (f"missed at {'; '.join(missed)}" if missed else "met at every M and format"))
+    lines += ["not bit-equal (figures kept):", *[f"  {note}" for note in notes]] if notes else ["every check bit-equal"]
+    return "\n".join(lines)
+
+
 def plots(records, folder: Path, stem: str, header: dict) -> None:
     try:
         import matplotlib
@@ -77,7 +145,7 @@ def plots(records, folder: Path, stem: str, header: dict) -> None:
     for record in records:
         by_suite[record.suite].append(record)
     for suite, rows in by_suite.items():
-        if suite == "host":  # eager host times at one M: the table says it all
+        if suite == "host" or suite.startswith("fp8-"):  # one M / a floor per variant: the table says it all
             continue
         figure, axis = plt.subplots(figsize=(7, 4.5))
         for variant in dict.fromkeys(r.variant for r in rows):

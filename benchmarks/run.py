@@ -1,8 +1,9 @@
 """Run the benchmarks and print their tables (``nox -s bench`` wraps this).
 
     python3 -m benchmarks.run [--suite core dsv41 dsv41-geometry glm5 glm5-thresholds glm5-persistent
-                               glm5-breakdown glm5-overlap spin-bound host] [--out DIR]
+                               glm5-breakdown glm5-overlap spin-bound host fp8] [--out DIR]
     python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m benchmarks.run   # real tp 2
+    python3 -m benchmarks.run --suite fp8 --dry-run   # no GPU: what the FP8 suite builds and checks
 
 Under torchrun the suites run over a real NCCL group (unicast Lamport; NVLink
 multicast stays off). Results go to DIR as JSON, a markdown table and PNG plots.
@@ -33,7 +34,7 @@ for variable, value in (
 
 import torch  # noqa: E402
 
-from . import overlap, report, suites  # noqa: E402
+from . import fp8, overlap, report, suites  # noqa: E402
 from .harness import copy_bandwidth_bytes_per_us, device_description  # noqa: E402
 
 DEFAULT_M = (1, 8, 64, 256, 1024)
@@ -53,15 +54,16 @@ RUNNERS: dict[str, Callable[[suites.Context, list[int]], list[suites.Record]]] =
     "glm5-overlap": lambda ctx, ms: overlap.glm5_overlap(ctx, [m for m in ms if m <= SMALL_M]),
     "spin-bound": lambda ctx, ms: suites.spin_bound(ctx, [m for m in ms if m <= SMALL_M]),
     "host": lambda ctx, ms: suites.host_overhead(ctx, [1]),
+    "fp8": fp8.fp8_suite,
 }
 SUITES = tuple(RUNNERS)
 #: Suites a plain run (no --suite) does: spin-bound and host are one process with loopback ranks;
-#: glm5-overlap compiles a dozen functions and is asked for by name.
+#: glm5-overlap compiles a dozen functions and fp8 some fifty kernels: both are asked for by name.
 DEFAULT_SUITES = ("core", "dsv41", "glm5", "glm5-thresholds", "glm5-breakdown")
 #: Suites a plain run adds when not under torchrun.
 SINGLE_PROCESS_SUITES = ("host",)
 #: The table each suite prints (the generic one where not named).
-TABLES = {"host": report.host_table, "glm5-overlap": report.overlap_table}
+TABLES = {"host": report.host_table, "glm5-overlap": report.overlap_table, "fp8": report.fp8_table}
 
 
 def commit() -> str:
@@ -87,7 +89,15 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / ".out" / "bench")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
     parser.add_argument("--commit", default=None, help="commit to record (default: git HEAD)")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="--suite fp8 only, no GPU: presets, kernels to compile, quantiser checks"
+    )
     options = parser.parse_args()
+    if options.dry_run:
+        if options.suite != ["fp8"]:
+            parser.error("--dry-run: only --suite fp8 has one")
+        print(report.fp8_table(fp8.dry_run(options.m)), flush=True)
+        return 0
 
     group, tp, rank = None, 1, 0
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:

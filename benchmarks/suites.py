@@ -33,6 +33,8 @@ class Record:
     #: At tp > 1, the floor with the mailbox bytes the protocol moves through this GPU's memory
     #: (``mailbox_bytes``) added; None at tp = 1 (the direct read moves none).
     mailbox_floor_us: float | None = None
+    #: What a suite checked about this figure (``--suite fp8``: whether the outputs equal the reference).
+    note: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
