@@ -66,7 +66,8 @@ def prewarm(specs: list[tuple[str, dict[str, Any]]], arch: str, jobs: int | None
         return f"prewarm: all {len(specs)} kernels shipped or cached"
     if not artifacts.enabled() or artifacts.cache_dir() is None:
         return f"prewarm: skipped, the kernel cache is off or unsafe: the ops compile {len(todo)} kernels themselves"
-    jobs = max(1, min(jobs or os.cpu_count() or 1, len(todo)))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    jobs = max(1, min(jobs or cores, len(todo)))
     start = time.perf_counter()
     failures, seconds = [], 0.0
     # spawn: the workers touch no CUDA and inherit no CUDA state from this process.

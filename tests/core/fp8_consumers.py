@@ -71,10 +71,14 @@ def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.as_strided((nbytes // tensor.element_size(),), (1,)).view(torch.uint8)
 
 
+def power_of_two(exponent: torch.Tensor) -> torch.Tensor:
+    """FP64 ``2^exponent`` from its bits (exact; ``torch.ldexp`` goes through a ``pow``)."""
+    return ((exponent.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
 def ue8m0_value(codes: torch.Tensor) -> torch.Tensor:
-    """FP32 ``2^(code - 127)`` of UE8M0 bytes (255, NaN, never expected here)."""
-    exponent = codes.to(torch.int64) - 127
-    return torch.ldexp(torch.ones_like(exponent, dtype=torch.float64), exponent).float()
+    """FP32 ``2^(code - 127)`` of UE8M0 bytes (0 is ``2^-127``, subnormal; 255, NaN, is never expected)."""
+    return power_of_two(codes.to(torch.int64) - 127).float()
 
 
 # ------------------------------------------------------------------ the consumers' reads
@@ -157,12 +161,12 @@ def expected_scales(name: str, layer_input: torch.Tensor) -> torch.Tensor:
         return scale
     mantissa, exponent = torch.frexp(scale.clamp_min(FLOOR).double())  # scale = mantissa 2^exponent
     power = torch.where(mantissa == 0.5, exponent - 1, exponent)  # ceil(log2(scale))
-    return torch.ldexp(torch.ones_like(mantissa), power).float()
+    return power_of_two(power).float()
 
 
 def dequantized(q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """FP64 ``q * scale`` (exact) of ``q`` ``[M, H]`` and per-group scales ``[M, G]``."""
-    return q.double() * rows.double().repeat_interleave(q.shape[1] // rows.shape[1], dim=1)
+    return q.float().double() * rows.double().repeat_interleave(q.shape[1] // rows.shape[1], dim=1)
 
 
 def product_bound(
@@ -204,7 +208,7 @@ def block_quantized_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     scales = (absmax.double() / E4M3_MAX).float()
     q = (blocks / scales[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).reshape(n, k)
     full = scales.double().repeat_interleave(128, dim=0).repeat_interleave(128, dim=1)
-    return q, scales, q.double() * full
+    return q, scales, q.float().double() * full
 
 
 def mx_quantized_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
