@@ -239,7 +239,7 @@ def scaled_mm_problem(recipe: str) -> str | None:
     capability = "sm_{}{}".format(*torch.cuda.get_device_capability())
     if recipe == "mx" and torch.cuda.get_device_capability()[0] < 10:  # not even tried: cuBLASLt has none
         return f"MXFP8 (cuBLASLt VEC32_UE8M0) needs sm_100 or later, this GPU is {capability}"
-    m = n = k = 256
+    m, n, k = (16, 256, 256) if recipe == "1x128" else (256, 256, 256)  # the GPU test's smallest M
     a = torch.zeros(m, k, device="cuda").to(torch.float8_e4m3fn)
     b = torch.zeros(n, k, device="cuda").to(torch.float8_e4m3fn)
     try:
@@ -251,7 +251,7 @@ def scaled_mm_problem(recipe: str) -> str | None:
             if not hasattr(torch, "float8_e8m0fnu"):
                 return f"torch {torch.__version__} has no float8_e8m0fnu"
             ones = torch.full((m * k // 32,), 127, dtype=torch.uint8, device="cuda").view(torch.float8_e8m0fnu)
-            torch._scaled_mm(a, b.t(), scale_a=ones, scale_b=ones.clone(), out_dtype=torch.bfloat16)
+            torch._scaled_mm(a, b.t(), scale_a=ones, scale_b=ones.clone(), out_dtype=torch.bfloat16)  # m == n
         torch.cuda.synchronize()
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as error:
         return f"torch {torch.__version__} on {capability}: {type(error).__name__}: {str(error).splitlines()[0]}"
