@@ -265,9 +265,8 @@ def glm_op(tp: int, cluster_tokens=((4, 2),), persistent_min_tokens: int = 0):
     # The boundary kernels differ only in their names here: the recorders need a signature.
     boundary = BoundaryKernel(BoundaryConfig.__new__(BoundaryConfig))
     side = SimpleNamespace(handle=4321, fork_handle=0, launched_with=[], idle=True)
-    side.native_events = lambda stream, capture: (0, 0)
-    side.launched = lambda capture, tensors, stream=None: side.launched_with.append(tuple(tensors))
-    side.launching = lambda stream, tensors: None  # kept until a join in the real SideWork
+    side.launched = lambda capture, tensors, stream: side.launched_with.append(tuple(tensors))
+    side.launching = lambda stream, capture, tensors: (0, 0)  # (events): kept until a join in the real SideWork
     names = ["boundary", *(f"boundary_x{tokens}" for _, tokens in cluster_tokens)]
     names += ["boundary_persistent"] if persistent_min_tokens else []
     op.__dict__.update(

@@ -290,7 +290,7 @@ def test_glm_side_work_is_registered_even_when_the_call_is_interrupted_after_its
     outputs could go back to the allocator while it wrote them."""
     op, kernels, side = glm_op(1)
     registered: list[tuple] = []
-    side.launching = lambda stream, tensors: registered.append(tuple(tensors))
+    side.launching = lambda stream, capture, tensors: registered.append(tuple(tensors)) or (0, 0)
     x = torch.randn(M, HIDDEN).to(torch.bfloat16)
     args = glm_args()
     out = [torch.empty(M, 4, HIDDEN).to(torch.bfloat16), torch.empty(M, 4, 1), torch.empty(M, 4, 4)]

@@ -208,9 +208,8 @@ def fp8_op(tp: int, fmt: str, both: bool):
     }
     mixes = MixesKernel(MixesConfig(hc_eps=1e-6, post_mult=2.0, sinkhorn_repeat=20))
     side = SimpleNamespace(handle=4321, fork_handle=0, launched_with=[], idle=True)
-    side.native_events = lambda stream, capture: (0, 0)
-    side.launched = lambda capture, tensors, stream=None: side.launched_with.append(tuple(tensors))
-    side.launching = lambda stream, tensors: None
+    side.launched = lambda capture, tensors, stream: side.launched_with.append(tuple(tensors))
+    side.launching = lambda stream, capture, tensors: (0, 0)
     op.__dict__.update(
         hidden_size=HIDDEN, device=CPU, tp=tp, rank=0, capacity=CAPACITY, top_k=TOP_K, check_routes=False,
         _closed=False, _peers_ready=True, _pending_m=None, _order=Order(),

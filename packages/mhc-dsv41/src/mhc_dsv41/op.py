@@ -315,7 +315,8 @@ class AllReduceMHC(LamportOp):
                 hidden)`` makes them: its shape, strides and whole allocation).
         """
         eps = self.norm_eps if norm_eps is None else norm_eps
-        return cast(Outputs, self._call(x, (residual, post, comb, pre, norm_weight, eps), out))
+        outputs: Outputs = self._call(x, (residual, post, comb, pre, norm_weight, eps), out)
+        return outputs  # annotated, not cast(): no function call on the hot path
 
     def finalize(
         self,
@@ -340,7 +341,8 @@ class AllReduceMHC(LamportOp):
         """
         eps = self.norm_eps if norm_eps is None else norm_eps
         fields = (shared_output, gemm2_permuted, expert_weights, expanded_idx_to_permuted_idx)  # MOE_FIELDS order
-        return cast(Outputs, self._call_moe(fields, (residual, post, comb, pre, norm_weight, eps), out))
+        outputs: Outputs = self._call_moe(fields, (residual, post, comb, pre, norm_weight, eps), out)
+        return outputs
 
     def collect(
         self,

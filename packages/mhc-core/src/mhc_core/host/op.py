@@ -76,6 +76,7 @@ from .programs import (
     CHECK_ONLY,
     DIM_M,
     DIM_ROWS,
+    FRESH_OUTPUTS,
     RECORD_DONE,
     Fixed,
     Launch,
@@ -86,7 +87,7 @@ from .programs import (
 from .spin import SpinGuard, resolve_timeout_ms
 from .startup import Startup, package_versions
 from .startup import active as active_startup
-from .streams import CallOrder
+from .streams import CallOrder, SideWork
 from .validation import check_int
 
 WEIGHT_TORCH_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
@@ -143,6 +144,9 @@ class LamportOp:
     weight_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
     #: Whether the collective can read x itself at tp = 1 (a call then launches no publish).
     reads_x: bool = True
+    #: The work an op with a side launch (``Program.has_side``) forks onto its side stream; set by
+    #: such an op, never read by one without.
+    _side_work: SideWork
 
     def __init__(
         self,
@@ -485,17 +489,9 @@ class LamportOp:
         """What a call returns, given its outputs (the all-reduce returns its one tensor)."""
         return outputs
 
-    def _events(self, capture: int) -> tuple[int, int]:
-        """(join event, side event) of a program with a side launch (``Program.has_side``)."""
-        raise NotImplementedError
-
-    def _side_launching(self, values: Sequence[object], outputs: Sequence[torch.Tensor]) -> None:
-        """Before an eager program's launches: keep what its side kernel will use until a join, so
-        that nothing interrupting the call after the launch can leave that work unjoined."""
-        raise NotImplementedError
-
-    def _launched(self, capture: int, values: Sequence[object], outputs: Sequence[torch.Tensor]) -> None:
-        """After a program's side launch: keep what the side kernel uses until it is joined."""
+    def _side_tensors(self, values: Sequence[object], outputs: Sequence[torch.Tensor]) -> tuple[Any, ...]:
+        """What the side kernel of a program with a side launch (``Program.has_side``) uses, possibly
+        after the current stream has dropped it: ``_side_work`` keeps it alive until the work is joined."""
         raise NotImplementedError
 
     def _run(
@@ -518,6 +514,7 @@ class LamportOp:
         if not program.outputs:
             outputs: tuple[Any, ...] = ()
         elif out is None:
+            flags |= FRESH_OUTPUTS
             try:
                 outputs = self._allocate(like, collect, m)
             except Exception as error:  # bad inputs: the rules say which, with the project's message
@@ -526,11 +523,15 @@ class LamportOp:
             outputs = self._outputs(out, program)
             if program.sized_outputs:
                 self._check_storage(program, values, outputs, m, rules)
-        join, side = self._events(capture) if program.has_side else (0, 0)
+        if program.has_side:
+            # Registered before the launch, so that nothing interrupting the call after it can leave
+            # the side work unjoined (``SideWork.launching``).
+            side_work, held = self._side_work, self._side_tensors(values, outputs)
+            join, side = side_work.launching(self._order.stream, capture, held)
+        else:
+            join = side = 0
         if not capture:
             flags |= RECORD_DONE
-            if program.has_side:
-                self._side_launching(values, outputs)
         self._in_launch = True  # from here an exception may come after the launch (``_call_failed``)
         try:
             m = program.native(flags, m, variant, join, side, *values, *outputs)
@@ -539,7 +540,7 @@ class LamportOp:
             given = outputs if out is not None else None
             self._explain(program, values, None if m < 0 else m, given, rules=rules, error=error)
         if program.has_side:
-            self._launched(capture, values, outputs)
+            side_work.launched(capture, held, self._order.stream)
         return outputs if program.outputs else m
 
     def _check_storage(
@@ -567,13 +568,17 @@ class LamportOp:
 
     def _call(self, x: object, values: tuple[Any, ...], out: Any) -> Any:
         """One eager call (``__call__``) with a publish input ``x``: the hot path."""
-        with self._lock:
+        lock = self._lock
+        lock.acquire()  # not `with`: half the cost on the hot path
+        try:
             if self._closed or self._poisoned is not None or not self._peers_ready:
                 self._check_usable()
             if type(x) is torch.Tensor or not isinstance(x, MoEOutput):
                 return self._launch_call(self._programs.call, (x, *values), x, values, out, None)
             fields = (x.shared_output, x.gemm2_permuted, x.expert_weights, x.expanded_idx_to_permuted_idx)
             return self._call_moe(fields, values, out)  # takes the lock again: an RLock
+        finally:
+            lock.release()
 
     def _call_moe(self, fields: tuple[Any, ...], values: tuple[Any, ...], out: Any) -> Any:
         """One eager call with MoE input: ``fields`` in ``MOE_FIELDS`` order."""

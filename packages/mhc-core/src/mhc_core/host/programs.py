@@ -34,6 +34,8 @@ CHECK_ONLY = 1
 AFTER_PUBLISH_FLAG = 2
 JOIN_EXTERNAL = 4
 RECORD_DONE = 8
+#: The op allocated the call's outputs: the native check skips their overlap test (they overlap nothing).
+FRESH_OUTPUTS = 16
 
 #: DLPack (type code, bits) of every dtype a rule may name (``dlpack.h``: kDLInt 0, kDLUInt 1,
 #: kDLFloat 2, kDLBfloat 4, kDLFloat8_e4m3fn 10; torch exports float8_e4m3fn as 10 from 2.11 on).

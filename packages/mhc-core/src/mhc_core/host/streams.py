@@ -23,7 +23,7 @@ No event is queried or synchronised here: both are illegal while any stream capt
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -145,7 +145,7 @@ class CallOrder:
 class SideWork:
     """A side stream an op forks work onto, and the joins back (see the module docstring).
 
-    Eager calls hand the native program the events to use (``native_events``): it waits for the
+    Eager calls hand the native program the events to use (``launching``): it waits for the
     previous side work, forks and records the side event itself. Inside a capture the joins and
     records are made here, with a fresh event per call.
     """
@@ -182,56 +182,57 @@ class SideWork:
         """Nothing forked since the last join: a join has nothing to wait for."""
         return not self._eager_pending and self._captured is None
 
-    def native_events(self, stream: torch.cuda.Stream | None, capture: int) -> tuple[int, int]:
-        """(join event, side event) for a call's native program: eager, the pending side work's
-        event (or 0) and the event to record; inside a capture the join happens here and the
-        program gets (0, 0)."""
+    def launching(
+        self, stream: torch.cuda.Stream | None, capture: int, tensors: tuple[torch.Tensor, ...]
+    ) -> tuple[int, int]:
+        """Before a side launch from ``stream``: the (join event, side event) for the call's native
+        program. Eager, the pending side work's event (or 0) and the event to record; ``tensors`` are
+        kept too until the next join, which now waits, whatever interrupts the call after its launch
+        (``launched`` then keeps only these; a call rejected after this costs only a join that waits
+        for earlier side work). Inside a capture the join happens here and the program gets (0, 0)."""
         if capture:
             assert stream is not None
             self.join(stream, capture)
             return 0, 0
         self._captured = None  # a capture that never joined its side work failed: nothing to wait for
-        waits = self._eager_pending or self._elsewhere(stream)
-        return (self.eager_handle if waits else 0), self.eager_handle
-
-    def _elsewhere(self, stream: torch.cuda.Stream | None) -> bool:
-        """Whether eager side work was launched from another stream than ``stream``."""
         eager = self._eager_stream
-        return eager is not None and stream is not eager and stream != eager
-
-    def launching(self, stream: torch.cuda.Stream | None, tensors: Iterable[torch.Tensor]) -> None:
-        """Before an eager side launch from ``stream``: keep ``tensors`` too until the next join, and
-        make that join wait, whatever interrupts the call after its launch (``launched`` then keeps
-        only these). A call rejected after this costs only a join that waits for earlier side work."""
-        self._eager_held = (*self._eager_held, *tensors)
+        # Wait for side work not yet joined, or launched from another stream than this call's.
+        waits = self._eager_pending or (eager is not None and stream is not eager and stream != eager)
+        self._eager_held += tensors
         self._eager_pending = True
         self._eager_stream = stream
+        handle = self.eager_handle
+        return (handle if waits else 0), handle
 
-    def launched(self, capture: int, tensors: Iterable[torch.Tensor], stream: torch.cuda.Stream | None = None) -> None:
-        """After the side launch (from ``stream``): remember it for the next join; keep ``tensors``
-        alive until then."""
+    def launched(self, capture: int, tensors: tuple[torch.Tensor, ...], stream: torch.cuda.Stream | None) -> None:
+        """After the side launch from ``stream`` (``launching`` came first): remember it for the next
+        join; keep ``tensors`` alive until then."""
         if capture:
             event = torch.cuda.Event()
             event.record(self.stream)
             self._captured = _Recorded(self.stream, event, capture, list(tensors))
             return
         # The native program waited for the previous side work before this launch.
-        self._eager_held = tuple(tensors)
-        self._eager_pending = True
-        self._eager_stream = stream
+        self._eager_held = tensors
 
     def join(self, stream: torch.cuda.Stream, capture: int) -> None:
         """``stream`` waits for the last side work (of this capture, or the last eager one)."""
         captured = self._captured
-        if captured is not None and captured.capture != capture:
-            captured = self._captured = None  # from another capture (that one ended or failed)
         if captured is not None:
-            stream.wait_event(captured.event)
-            self._captured = None  # the wait orders every later use of its tensors after the side kernel
-        elif self._eager_pending or (not capture and self._elsewhere(stream)):
-            # Inside a capture this is an external event-wait node (the event was recorded outside).
+            if captured.capture == capture:
+                stream.wait_event(captured.event)
+                self._captured = None  # the wait orders every later use of its tensors after the side kernel
+                return
+            self._captured = None  # from another capture (that one ended or failed)
+        if capture:
+            if self._eager_pending:
+                stream.wait_event(self._eager_event)  # an external event-wait node (recorded outside)
+            return
+        eager = self._eager_stream
+        elsewhere = eager is not None and stream is not eager and stream != eager
+        if self._eager_pending or elsewhere:
             stream.wait_event(self._eager_event)
-            if not capture and not self._elsewhere(stream):
+            if not elsewhere:
                 # The launching call's stream: its outputs' memory now follows the side work.
                 self._eager_pending = False
                 self._eager_held = ()

@@ -13,8 +13,10 @@
 //      their leading extents, device, contiguity as torch defines it or an output's own strides,
 //      alignment; scalars normal FP32 values > 0), and the outputs' memory against the
 //      parameters' and each other's: an output may be one of the parameters its rule names (the
-//      same bytes exactly: in place), and overlaps nothing else. An output's memory is its view,
-//      or the storage its rule gives (the FP8 scale layouts' padding rows lie past the view). Nothing is launched before all pass. A failing call raises a
+//      same bytes exactly: in place), and overlaps nothing else (not checked when the flags say
+//      the op allocated them for this call). An output's memory is its view, or the storage its
+//      rule gives (the FP8 scale layouts' padding rows lie past the view). Nothing is launched
+//      before all pass. A failing call raises a
 //      ValueError whose message starts "mhc-invalid"; the Python side then runs the same rules
 //      with the project's messages (`mhc_core.host.calls.check_call`), so the rules live in one
 //      declaration and the messages in one place;
@@ -37,6 +39,7 @@
 #include <tvm/ffi/function.h>
 #include <tvm/ffi/string.h>
 
+#include <array>
 #include <cfloat>
 #include <cstdint>
 #include <optional>
@@ -76,6 +79,9 @@ constexpr int64_t kCheckOnly = 1;
 constexpr int64_t kAfterPublish = 2;
 constexpr int64_t kJoinExternal = 4;  // the join event was recorded outside the capture
 constexpr int64_t kRecordDone = 8;    // record the op's done event on the current stream at the end
+constexpr int64_t kFreshOutputs = 16;  // the op allocated the outputs for this call: they overlap nothing
+// Parameters plus outputs a program may take (a call's check keeps them on the stack, not the heap).
+constexpr size_t kMaxArgs = 32;
 
 struct Rule {
   bool tensor = true;  // else a scalar: a finite float or int > 0
@@ -247,22 +253,21 @@ struct Call {
   const Program& program;
   int64_t m = -1;
   int64_t rows = -1;
-  std::vector<const DLTensor*> tensors;  // parameters then outputs (nullptr for scalars)
-  std::vector<double> scalars;           // by parameter index
+  std::array<const DLTensor*, kMaxArgs> tensors{};  // parameters then outputs (nullptr for scalars)
+  std::array<double, kMaxArgs> scalars{};           // by parameter index
 
   explicit Call(const Program& p) : program(p) {}
 
   // Every parameter and output is valid; M (and rows) bound. `m_given` >= 0: the pending
   // publish's M (a collect), which the parameters must match. `check_only`: outputs may be None.
-  void check(const ffi::PackedArgs& args, int first, int64_t m_given, bool check_only) {
+  // `fresh_outputs`: the op allocated the outputs for this call (nothing to check their memory against).
+  void check(const ffi::PackedArgs& args, int first, int64_t m_given, bool check_only, bool fresh_outputs) {
     const size_t n_rules = program.rules.size();
     const size_t n_outputs = program.outputs.size();
     if (static_cast<size_t>(args.size() - first) != n_rules + n_outputs) {
       TVM_FFI_THROW(TypeError) << "mhc: expected " << n_rules + n_outputs << " per-call arguments, got "
                                << args.size() - first;
     }
-    tensors.assign(n_rules + n_outputs, nullptr);
-    scalars.assign(n_rules, 0.0);
     m = m_given;
     for (size_t i = 0; i < n_rules; ++i) {
       const Rule& rule = program.rules[i];
@@ -306,26 +311,27 @@ struct Call {
       check_tensor(index, *tensor, program.outputs[o], program.device, m, rows);
       tensors[n_rules + o] = *tensor;
     }
-    check_overlaps(n_rules);
+    if (!fresh_outputs) check_overlaps(n_rules);
   }
 
   // Each given output overlaps no parameter but one its rule names, and then exactly, and no
   // other output.
   void check_overlaps(size_t n_rules) const {
-    for (size_t o = 0; o < program.outputs.size(); ++o) {
-      const DLTensor* out = tensors[n_rules + o];
-      if (out == nullptr) continue;
-      const Span mine = span(out, program.outputs[o], m, rows);
+    const size_t n = n_rules + program.outputs.size();
+    std::array<Span, kMaxArgs> spans{};  // each tensor's once (empty for scalars and absent outputs)
+    for (size_t i = 0; i < n; ++i) {
+      if (tensors[i] == nullptr) continue;
+      spans[i] = span(tensors[i], i < n_rules ? program.rules[i] : program.outputs[i - n_rules], m, rows);
+    }
+    for (size_t o = n_rules; o < n; ++o) {
+      const Span mine = spans[o];
       if (mine.first == mine.last) continue;
-      const std::vector<int64_t>& aliases = program.outputs[o].aliases;
-      for (size_t i = 0; i < n_rules + o; ++i) {  // the parameters, then the outputs before this one
-        if (tensors[i] == nullptr) continue;
-        const Span theirs = i < n_rules ? span(tensors[i], program.rules[i], m, rows)
-                                        : span(tensors[i], program.outputs[i - n_rules], m, rows);
-        if (!mine.overlaps(theirs)) continue;
+      const std::vector<int64_t>& aliases = program.outputs[o - n_rules].aliases;
+      for (size_t i = 0; i < o; ++i) {  // the parameters, then the outputs before this one
+        if (!mine.overlaps(spans[i])) continue;
         bool in_place = false;
         for (int64_t alias : aliases) in_place = in_place || static_cast<size_t>(alias) == i;
-        if (!(in_place && mine == theirs)) reject(static_cast<int>(n_rules + o), "overlap");
+        if (!(in_place && mine == spans[i])) reject(static_cast<int>(o), "overlap");
       }
     }
   }
@@ -412,6 +418,10 @@ std::vector<Dim> to_shape(const ffi::Array<int64_t>& numbers) {
 ffi::Function make_program(ffi::Array<ffi::Array<ffi::Any>> rules, ffi::Array<ffi::Array<ffi::Any>> outputs,
                            ffi::Array<ffi::Array<ffi::Any>> launches, ffi::Array<int64_t> device, int64_t capacity,
                            ffi::Array<int64_t> events) {
+  if (rules.size() + outputs.size() > kMaxArgs) {
+    TVM_FFI_THROW(ValueError) << "mhc: a program takes at most " << kMaxArgs << " parameters and outputs, got "
+                              << rules.size() + outputs.size();
+  }
   auto program = std::make_shared<Program>();
   for (const auto& r : rules) {
     Rule rule;
@@ -468,7 +478,7 @@ ffi::Function make_program(ffi::Array<ffi::Array<ffi::Any>> rules, ffi::Array<ff
     void* join_event = reinterpret_cast<void*>(static_cast<uintptr_t>(args[3].cast<int64_t>()));
     void* side_event = reinterpret_cast<void*>(static_cast<uintptr_t>(args[4].cast<int64_t>()));
     Call call(*program);
-    call.check(args, kFirst, m_given, (flags & kCheckOnly) != 0);
+    call.check(args, kFirst, m_given, (flags & kCheckOnly) != 0, (flags & kFreshOutputs) != 0);
     *rv = call.m;
     if (flags & kCheckOnly) return;
     const bool cuda = program->device.device_type == kDLCUDA;

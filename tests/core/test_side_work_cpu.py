@@ -1,0 +1,127 @@
+"""``mhc_core.host.streams.SideWork``'s bookkeeping without a GPU: which event each call's native
+program waits on and records, when a join waits, and how long the side kernel's tensors are kept.
+CUDA streams and events are stand-ins that log the waits; the logic under test is the real class.
+(The GPU tests run the same sequences on real streams: tests/lifecycle, tests/core/test_misuse_gpu.py.)"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mhc_core.host import streams
+
+
+class FakeStream:
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log, self.cuda_stream = name, log, id(self)
+
+    def wait_event(self, event: FakeEvent) -> None:
+        self.log.append((self.name, "waits", event.name))
+
+
+class FakeEvent:
+    count = 0
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        FakeEvent.count += 1
+        self.name = f"event{FakeEvent.count}"
+        self.cuda_event = 1000 + FakeEvent.count
+
+    def record(self, stream: object = None) -> None:
+        pass
+
+
+@pytest.fixture
+def side(monkeypatch: pytest.MonkeyPatch) -> Iterator[SimpleNamespace]:
+    log: list = []
+    main = FakeStream("main", log)
+    cuda = SimpleNamespace(
+        Event=FakeEvent, Stream=lambda device=None: FakeStream("side", log), current_stream=lambda device=None: main
+    )
+    monkeypatch.setattr(streams, "torch", SimpleNamespace(cuda=cuda))
+    work = streams.SideWork(torch.device("cpu"))
+    yield SimpleNamespace(work=work, main=main, other=FakeStream("other", log), log=log)
+    work._eager_held = ()  # its __del__ would record them on the stand-in stream
+
+
+def tensors(count: int = 2) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.empty(1) for _ in range(count))
+
+
+def test_the_first_eager_launch_waits_for_nothing_and_records_the_side_event(side) -> None:
+    held = tensors()
+    join, event = side.work.launching(side.main, 0, held)
+    assert (join, event) == (0, side.work.eager_handle)
+    side.work.launched(0, held, side.main)
+    assert not side.work.idle and side.work._eager_held == held
+
+
+def test_a_join_on_the_launching_stream_waits_once_and_lets_the_tensors_go(side) -> None:
+    held = tensors()
+    side.work.launching(side.main, 0, held)
+    side.work.launched(0, held, side.main)
+    side.work.join(side.main, 0)
+    assert side.log == [("main", "waits", side.work._eager_event.name)]
+    assert side.work.idle and side.work._eager_held == ()
+    side.work.join(side.main, 0)
+    assert len(side.log) == 1, "a second join has nothing to wait for"
+
+
+def test_a_launch_before_the_previous_side_work_was_joined_waits_for_it(side) -> None:
+    first, second = tensors(), tensors()
+    side.work.launching(side.main, 0, first)
+    side.work.launched(0, first, side.main)
+    join, _ = side.work.launching(side.main, 0, second)
+    assert join == side.work.eager_handle
+    assert side.work._eager_held == first + second, "kept together until the launch is known to have run"
+    side.work.launched(0, second, side.main)
+    assert side.work._eager_held == second, "the native program waited for the first side work"
+
+
+def test_another_stream_waits_for_side_work_its_join_does_not_end(side) -> None:
+    held = tensors()
+    side.work.launching(side.main, 0, held)
+    side.work.launched(0, held, side.main)
+    side.work.join(side.main, 0)
+    side.work.join(side.other, 0)  # joined on main, not yet on other
+    assert side.log[-1] == ("other", "waits", side.work._eager_event.name)
+    join, _ = side.work.launching(side.other, 0, tensors())
+    assert join == side.work.eager_handle, "a call on another stream waits for side work launched elsewhere"
+
+
+def test_an_interrupted_call_leaves_its_side_tensors_kept_until_a_join(side) -> None:
+    held = tensors()
+    side.work.launching(side.main, 0, held)  # the launch may have run; launched() never came
+    assert not side.work.idle and side.work._eager_held == held
+    side.work.join(side.main, 0)
+    assert side.work.idle and side.work._eager_held == ()
+
+
+def test_inside_a_capture_the_join_is_a_graph_edge_and_the_program_gets_no_events(side) -> None:
+    held = tensors()
+    assert side.work.launching(side.main, 7, held) == (0, 0)
+    side.work.launched(7, held, side.main)
+    captured = side.work._captured
+    assert captured is not None and captured.held == list(held)
+    side.work.join(side.main, 7)
+    assert side.log == [("main", "waits", captured.event.name)] and side.work._captured is None
+
+
+def test_a_capture_waits_on_eager_side_work_recorded_outside_it(side) -> None:
+    held = tensors()
+    side.work.launching(side.main, 0, held)
+    side.work.launched(0, held, side.main)
+    side.work.join(side.main, 3)
+    assert side.log == [("main", "waits", side.work._eager_event.name)]
+    assert not side.work.idle, "only an eager join on the launching stream ends eager side work"
+
+
+def test_side_work_of_an_ended_capture_is_forgotten(side) -> None:
+    held = tensors()
+    side.work.launching(side.main, 7, held)
+    side.work.launched(7, held, side.main)
+    side.work.join(side.main, 8)  # another capture: that one ended or failed
+    assert side.work._captured is None and side.log == []
