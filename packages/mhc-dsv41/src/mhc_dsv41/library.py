@@ -24,14 +24,13 @@ from torch import Tensor
 
 from mhc_core.host import library
 from mhc_core.host.layer_input import LayerInput
+from mhc_core.host.moe import MoEOutput  # at import: an import inside a wrapper costs each call
 
 if TYPE_CHECKING:  # the wrappers below are typed by the op class (imported by the caller already)
-    from mhc_core.host.moe import MoEOutput
-
     from .op import AllReduceMHC
 
 
-@torch.library.custom_op("mhc::dsv41_boundary", mutates_args=("state",), device_types="cuda")
+@library.custom_op("dsv41_boundary")
 def dsv41_boundary(
     state: Tensor,
     handle: int,
@@ -51,7 +50,7 @@ def _(state, handle, x, residual, post, comb, pre, norm_weight, norm_eps):
     return torch.empty_like(residual), torch.empty_like(x)
 
 
-@torch.library.custom_op("mhc::dsv41_finalize", mutates_args=("state",), device_types="cuda")
+@library.custom_op("dsv41_finalize")
 def dsv41_finalize(
     state: Tensor,
     handle: int,
@@ -88,7 +87,7 @@ def _(
     return torch.empty_like(residual), torch.empty_like(shared_output)
 
 
-@torch.library.custom_op("mhc::dsv41_collect", mutates_args=("state",), device_types="cuda")
+@library.custom_op("dsv41_collect")
 def dsv41_collect(
     state: Tensor,
     handle: int,
@@ -131,7 +130,7 @@ def _run_fp8(handle: int, state: Tensor, layer_input_format: str, layer_input_bf
     return library.run(handle, state, checked)
 
 
-@torch.library.custom_op("mhc::dsv41_boundary_fp8", mutates_args=("state",), device_types="cuda")
+@library.custom_op("dsv41_boundary_fp8")
 def dsv41_boundary_fp8(
     state: Tensor,
     handle: int,
@@ -156,7 +155,7 @@ def _(state, handle, x, residual, post, comb, pre, norm_weight, norm_eps, layer_
     return _fp8_outputs(residual, x, layer_input_format, layer_input_bf16)
 
 
-@torch.library.custom_op("mhc::dsv41_finalize_fp8", mutates_args=("state",), device_types="cuda")
+@library.custom_op("dsv41_finalize_fp8")
 def dsv41_finalize_fp8(
     state: Tensor,
     handle: int,
@@ -200,7 +199,7 @@ def _(
     return _fp8_outputs(residual, shared_output, layer_input_format, layer_input_bf16)
 
 
-@torch.library.custom_op("mhc::dsv41_collect_fp8", mutates_args=("state",), device_types="cuda")
+@library.custom_op("dsv41_collect_fp8")
 def dsv41_collect_fp8(
     state: Tensor,
     handle: int,
@@ -240,9 +239,14 @@ def boundary(
     """``op(x, ...)`` (or ``op.finalize`` for a ``MoEOutput`` x) of an ``AllReduceMHC`` through the custom ops
     (``norm_eps`` None: the op's): what the op's call returns, ``(residual_out, layer_input)`` or, with an
     FP8 layer input, ``(residual_out, q, scales[, layer_input])``."""
-    from mhc_core.host.moe import MoEOutput
-
     norm_eps = op.norm_eps if norm_eps is None else norm_eps
+    if library.eager(op, residual):  # the op's own call (``mhc_core.host.library.eager``)
+        if isinstance(x, MoEOutput):
+            return op.finalize(
+                x.gemm2_permuted, x.expert_weights, x.expanded_idx_to_permuted_idx, x.shared_output,
+                residual, post, comb, pre, norm_weight, norm_eps,
+            )  # fmt: skip
+        return op(x, residual, post, comb, pre, norm_weight, norm_eps)
     fmt = getattr(op, "layer_input", None)  # a stand-in with state and handle alone: BF16
     if fmt is not None and fmt.quantizes:
         if isinstance(x, MoEOutput):
@@ -278,6 +282,8 @@ def collect(
     """``op.collect(...)`` through the custom ops (after ``mhc_core.host.library.publish_input``;
     ``norm_eps`` None: the op's), returning as ``boundary`` does."""
     norm_eps = op.norm_eps if norm_eps is None else norm_eps
+    if library.eager(op, residual):
+        return op.collect(residual, post, comb, pre, norm_weight, norm_eps)
     fmt = getattr(op, "layer_input", None)  # a stand-in with state and handle alone: BF16
     if fmt is not None and fmt.quantizes:
         return tuple(

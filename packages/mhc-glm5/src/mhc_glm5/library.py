@@ -32,10 +32,9 @@ from torch import Tensor
 
 from mhc_core.host import library
 from mhc_core.host.layer_input import LayerInput
+from mhc_core.host.moe import MoEOutput  # at import: an import inside a wrapper costs each call
 
 if TYPE_CHECKING:  # the wrappers below are typed by the op class (imported by the caller already)
-    from mhc_core.host.moe import MoEOutput
-
     from .op import AllReduceMhcBoundary
 
 from .config import HC
@@ -54,9 +53,8 @@ def _layer_input(op: Any) -> LayerInput:
 def _fused(handle: int, outputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
     """Keep a boundary call's side outputs for its join (called under the op's lock); the rest:
     ``(residual_out, layer_input)``, or ``(residual_out, q, scales[, layer_input])`` with FP8."""
-    residual_out, post_out, comb_out, *layer_input = outputs
-    _UNJOINED[handle] = (post_out, comb_out)
-    return residual_out, *layer_input
+    _UNJOINED[handle] = (outputs[1], outputs[2])
+    return (outputs[0], outputs[3]) if len(outputs) == 4 else (outputs[0], *outputs[3:])
 
 
 def _joined(handle: int, op: Any) -> tuple[Tensor, Tensor]:
@@ -68,7 +66,7 @@ def _joined(handle: int, op: Any) -> tuple[Tensor, Tensor]:
     return unjoined
 
 
-@torch.library.custom_op("mhc::glm5_boundary", mutates_args=("state",), device_types="cuda")
+@library.custom_op("glm5_boundary")
 def glm5_boundary(
     state: Tensor,
     handle: int,
@@ -91,7 +89,7 @@ def _(state, handle, x, residual, post, comb, fn, scale, base, norm_weight):
     return torch.empty_like(residual), torch.empty_like(x)
 
 
-@torch.library.custom_op("mhc::glm5_boundary_moe", mutates_args=("state",), device_types="cuda")
+@library.custom_op("glm5_boundary_moe")
 def glm5_boundary_moe(
     state: Tensor,
     handle: int,
@@ -107,8 +105,6 @@ def glm5_boundary_moe(
     base: Tensor,
     norm_weight: Tensor,
 ) -> tuple[Tensor, Tensor]:
-    from mhc_core.host.moe import MoEOutput
-
     moe = MoEOutput(gemm2_permuted, expert_weights, index, shared_output)
     return library.run(
         handle, state, lambda op: _fused(handle, op(moe, residual, post, comb, fn, scale, base, norm_weight))
@@ -121,7 +117,7 @@ def _(state, handle, gemm2_permuted, expert_weights, index, shared_output, resid
     return torch.empty_like(residual), torch.empty_like(shared_output)
 
 
-@torch.library.custom_op("mhc::glm5_collect", mutates_args=("state",), device_types="cuda")
+@library.custom_op("glm5_collect")
 def glm5_collect(
     state: Tensor,
     handle: int,
@@ -170,7 +166,7 @@ def _run_fp8(handle: int, state: Tensor, layer_input_format: str, layer_input_bf
     return library.run(handle, state, checked)
 
 
-@torch.library.custom_op("mhc::glm5_boundary_fp8", mutates_args=("state",), device_types="cuda")
+@library.custom_op("glm5_boundary_fp8")
 def glm5_boundary_fp8(
     state: Tensor,
     handle: int,
@@ -196,7 +192,7 @@ def _(state, handle, x, residual, post, comb, fn, scale, base, norm_weight, laye
     return _fp8_outputs(residual, x, layer_input_format, layer_input_bf16)
 
 
-@torch.library.custom_op("mhc::glm5_boundary_moe_fp8", mutates_args=("state",), device_types="cuda")
+@library.custom_op("glm5_boundary_moe_fp8")
 def glm5_boundary_moe_fp8(
     state: Tensor,
     handle: int,
@@ -214,8 +210,6 @@ def glm5_boundary_moe_fp8(
     layer_input_format: str,
     layer_input_bf16: bool,
 ) -> list[Tensor]:
-    from mhc_core.host.moe import MoEOutput
-
     moe = MoEOutput(gemm2_permuted, expert_weights, index, shared_output)
     return _run_fp8(
         handle, state, layer_input_format, layer_input_bf16,
@@ -229,7 +223,7 @@ def _(state, handle, gemm2_permuted, expert_weights, index, shared_output, resid
     return _fp8_outputs(residual, shared_output, layer_input_format, layer_input_bf16)
 
 
-@torch.library.custom_op("mhc::glm5_collect_fp8", mutates_args=("state",), device_types="cuda")
+@library.custom_op("glm5_collect_fp8")
 def glm5_collect_fp8(
     state: Tensor,
     handle: int,
@@ -255,7 +249,7 @@ def _(state, handle, residual, post, comb, fn, scale, base, norm_weight, layer_i
 
 
 # ------------------------------------------------------------------ join
-@torch.library.custom_op("mhc::glm5_join", mutates_args=("state",), device_types="cuda")
+@library.custom_op("glm5_join")
 def glm5_join(state: Tensor, handle: int, residual_out: Tensor) -> tuple[Tensor, Tensor]:
     """``residual_out``: the boundary call's first output (it gives M, and orders the join after it)."""
     return library.run(handle, state, lambda op: _joined(handle, op))  # a dead handle says so first
@@ -281,8 +275,13 @@ def boundary(
     """``op(x, ...)`` of an ``AllReduceMhcBoundary`` through the custom ops (``x``: a tensor or a
     ``MoEOutput``): ``(residual_out, layer_input)``, or with an FP8 layer input ``(residual_out, q,
     scales[, layer_input])``; ``join`` gives ``(post_out, comb_out)``."""
-    from mhc_core.host.moe import MoEOutput
-
+    if library.eager(op, residual):  # the op's own call (``mhc_core.host.library.eager``)
+        lock = op._lock  # the call and the hand-over of its side outputs, as the custom op
+        lock.acquire()  # not `with`: half the cost
+        try:
+            return _fused(op.handle, op(x, residual, post, comb, fn, scale, base, norm_weight))
+        finally:
+            lock.release()
     fmt = _layer_input(op)
     if fmt.quantizes:
         if isinstance(x, MoEOutput):
@@ -317,6 +316,9 @@ def collect(
 ) -> tuple[Tensor, ...]:
     """``op.collect(...)`` through the custom ops (after ``mhc_core.host.library.publish_input``),
     returning as ``boundary`` does."""
+    if library.eager(op, residual):
+        with op._lock:
+            return _fused(op.handle, op.collect(residual, post, comb, fn, scale, base, norm_weight))
     fmt = _layer_input(op)
     if fmt.quantizes:
         return tuple(
@@ -329,4 +331,11 @@ def collect(
 
 def join(op: AllReduceMhcBoundary, residual_out: Tensor) -> tuple[Tensor, Tensor]:
     """``(post_out, comb_out)`` of the op's last boundary call, once the current stream waits for them."""
+    if library.eager(op, residual_out):
+        lock = op._lock
+        lock.acquire()
+        try:
+            return _joined(op.handle, op)
+        finally:
+            lock.release()
     return torch.ops.mhc.glm5_join(op.state, op.handle, residual_out)
