@@ -361,7 +361,7 @@ def boundary_alone(op, m: int):
     """The op's boundary kernel for M tokens launched by itself (with the op's buffers), no mixes."""
     from mhc_core.host.launch import BoundKernel
 
-    kernel = op._boundary_kernels[op._variant_name(m)]
+    kernel = op.boundary_kernel(m)
     fixed = dict(
         mailbox=op.mailbox.buffer, stage_state=op.mailbox.stage_state, capacity=op.capacity,
         spin_limit_ns=op.spin.limit_ns, error_flag=op.spin.address, arrivals=op._arrivals, clusters=op.clusters,

@@ -84,6 +84,7 @@ def common(op, tp: int, kernels: Kernels) -> None:
 
 def dsv_op(tp: int):
     from mhc_dsv41 import AllReduceMHC
+    from mhc_dsv41.config import CollectiveTarget, collective_routing
     from mhc_dsv41.kernel import LamportMHCKernel, MHCConfig
 
     kernels = Kernels()
@@ -95,10 +96,13 @@ def dsv_op(tp: int):
         norm_eps=1e-6,
         clusters=132,
         persistent_min_tokens=PERSISTENT_MIN_TOKENS,
-        _collective_kernels=[
-            kernels.compiled("collective", LamportMHCKernel(config)),
-            kernels.compiled("collective_persistent", LamportMHCKernel(dataclasses.replace(config, persistent=True))),
-        ],
+        routing=collective_routing(PERSISTENT_MIN_TOKENS),
+        _collective_kernels={
+            CollectiveTarget(False): kernels.compiled("collective", LamportMHCKernel(config)),
+            CollectiveTarget(True): kernels.compiled(
+                "collective_persistent", LamportMHCKernel(dataclasses.replace(config, persistent=True))
+            ),
+        },
     )
     op._programs = op._build_programs()
     return op, kernels
@@ -257,6 +261,7 @@ def test_dsv_moe_weights_dtype_is_checked_by_name() -> None:
 def glm_op(tp: int, cluster_tokens=((4, 2),), persistent_min_tokens: int = 0):
     from mhc_glm5 import AllReduceMhcBoundary
     from mhc_glm5.boundary import BoundaryConfig, BoundaryKernel
+    from mhc_glm5.config import boundary_routing
     from mhc_glm5.mixes import MixesConfig, MixesKernel
 
     kernels = Kernels()
@@ -267,11 +272,11 @@ def glm_op(tp: int, cluster_tokens=((4, 2),), persistent_min_tokens: int = 0):
     side = SimpleNamespace(handle=4321, fork_handle=0, launched_with=[], idle=True)
     side.launched = lambda capture, tensors, stream: side.launched_with.append(tuple(tensors))
     side.launching = lambda stream, capture, tensors: (0, 0)  # (events): kept until a join in the real SideWork
-    names = ["boundary", *(f"boundary_x{tokens}" for _, tokens in cluster_tokens)]
-    names += ["boundary_persistent"] if persistent_min_tokens else []
+    routing = boundary_routing(tuple(cluster_tokens), persistent_min_tokens)
     op.__dict__.update(
         cluster_tokens=tuple(cluster_tokens), persistent_min_tokens=persistent_min_tokens, clusters=CLUSTERS,
-        _boundary_kernels={name: kernels.compiled(name, boundary) for name in names},
+        routing=routing,
+        _boundary_kernels={t: kernels.compiled(t.kernel_name, boundary) for t in routing.targets},
         _mixes_kernel=kernels.compiled("mixes", MixesKernel(MixesConfig.__new__(MixesConfig))),
         _mixes_handoff=torch.zeros(CAPACITY, 24), _raw_mixes=torch.zeros(CAPACITY, 24),
         _arrivals=torch.zeros(1, dtype=torch.int32), _side_work=side,
@@ -323,7 +328,7 @@ def test_glm_side_stream_forks_before_the_boundary(tp: int) -> None:
     for program in (programs.call, programs.collect, *programs.call_moe.values()):
         is_mixes = [launch.signature is op._mixes_kernel.signature for launch in program.launches]
         boundary = next(i for i, launch in enumerate(program.launches) if launch.forks_side)
-        assert program.launches[boundary].functions[0] is op._boundary_kernels["boundary"].function
+        assert program.launches[boundary].functions[0] is op.boundary_kernel(1).function
         assert is_mixes.index(True) == boundary + 1
 
 

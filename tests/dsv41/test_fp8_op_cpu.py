@@ -201,6 +201,7 @@ def fp8_op(tp: int, fmt: str, both: bool):
     from mhc_core.device.publish import FinalizePublishKernel, PublishConfig, PublishKernel
     from mhc_core.host.layer_input import LayerInput
     from mhc_dsv41 import AllReduceMHC
+    from mhc_dsv41.config import CollectiveTarget, collective_routing
     from mhc_dsv41.kernel import LamportMHCKernel, MHCConfig
 
     kernels = Kernels()
@@ -226,11 +227,14 @@ def fp8_op(tp: int, fmt: str, both: bool):
             )
         },
         hc_mult=HC, norm_eps=1e-6, clusters=7, persistent_min_tokens=128, config=config,
+        routing=collective_routing(128),
         layer_input=LayerInput.checked(fmt, both, HIDDEN), _quantizes=fmt != "bf16",
-        _collective_kernels=[
-            kernels.compiled("collective", LamportMHCKernel(config)),
-            kernels.compiled("collective_persistent", LamportMHCKernel(dataclasses.replace(config, persistent=True))),
-        ],
+        _collective_kernels={
+            CollectiveTarget(False): kernels.compiled("collective", LamportMHCKernel(config)),
+            CollectiveTarget(True): kernels.compiled(
+                "collective_persistent", LamportMHCKernel(dataclasses.replace(config, persistent=True))
+            ),
+        },
     )  # fmt: skip
     op._init_call_state()
     op._programs = op._build_programs()

@@ -188,6 +188,7 @@ def fp8_op(tp: int, fmt: str, both: bool):
     from mhc_core.host.layer_input import LayerInput
     from mhc_glm5 import AllReduceMhcBoundary
     from mhc_glm5.boundary import BoundaryConfig, BoundaryKernel
+    from mhc_glm5.config import PERSISTENT, BoundaryTarget, boundary_routing
     from mhc_glm5.mixes import MixesConfig, MixesKernel
 
     kernels = Kernels()
@@ -197,11 +198,13 @@ def fp8_op(tp: int, fmt: str, both: bool):
         hidden=HIDDEN, tp=tp, cluster_size=CLUSTER, rms_eps=1e-6, hc_eps=1e-6, norm_eps=1e-5, mixed_fma=False,
         layer_input_format=fmt, layer_input_bf16=both,
     )  # fmt: skip
+    routing = boundary_routing(CLUSTER_TOKENS, PERSISTENT_MIN_TOKENS)
     boundaries = {
-        "boundary": config,
-        "boundary_x2": dataclasses.replace(config, tokens=2),
-        "boundary_persistent": dataclasses.replace(config, tokens=8, persistent=True),
+        BoundaryTarget(1): config,
+        BoundaryTarget(2): dataclasses.replace(config, tokens=2),
+        PERSISTENT: dataclasses.replace(config, tokens=8, persistent=True),
     }
+    assert set(boundaries) == set(routing.targets)
     finalize = {
         dtype: FinalizePublishKernel(PublishConfig(**publish, top_k=TOP_K, weights=name))
         for dtype, name in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16"))
@@ -225,7 +228,8 @@ def fp8_op(tp: int, fmt: str, both: bool):
         _finalize_kernels={dtype: kernels.compiled("finalize", kernel) for dtype, kernel in finalize.items()},
         cluster_tokens=CLUSTER_TOKENS, persistent_min_tokens=PERSISTENT_MIN_TOKENS, clusters=3,
         layer_input=LayerInput.checked(fmt, both, HIDDEN),
-        _boundary_kernels={name: kernels.compiled(name, BoundaryKernel(c)) for name, c in boundaries.items()},
+        routing=routing,
+        _boundary_kernels={t: kernels.compiled(t.kernel_name, BoundaryKernel(c)) for t, c in boundaries.items()},
         _mixes_kernel=kernels.compiled("mixes", mixes),
         _mixes_handoff=torch.zeros(CAPACITY, MIX), _raw_mixes=torch.zeros(CAPACITY, MIX),
         _arrivals=torch.zeros(1, dtype=torch.int32), _side_work=side,

@@ -39,6 +39,7 @@ from mhc_core.presets import (
     require_threads,
     require_tp,
 )
+from mhc_core.routing import MRangeDispatch
 
 #: A plain publish's finalize fields (every config here lists every field: the dict is what a
 #: kernel's key is built from, so it must equal the config dataclass's ``asdict``).
@@ -125,6 +126,21 @@ def default_geometry(hidden: int, hc: int, tp: int) -> dict[str, int]:
 #: twelfth runs, three runs in all on the H200: the one-token collective 3-6 % faster at M = 256
 #: and 11 % at 320, the persistent one 3-5 % faster at 384, 2 % at 448 and 12 % at 512).
 PERSISTENT_MIN_TOKENS = 384
+
+
+@dataclass(frozen=True)
+class CollectiveTarget:
+    """A collective a call can take: the one-token one (a cluster per token) or the persistent one."""
+
+    persistent: bool
+
+
+def collective_routing(persistent_min_tokens: int) -> MRangeDispatch[CollectiveTarget]:
+    """Which collective serves M tokens: the one-token one from 1, the persistent one from
+    ``persistent_min_tokens`` (1: every call)."""
+    return MRangeDispatch.of((1, CollectiveTarget(False)), (persistent_min_tokens, CollectiveTarget(True)))
+
+
 #: Registers per thread the collective stays within (a CPU test compiles every preset's and checks):
 #: what the default number of persistent clusters assumes.
 COLLECTIVE_REGISTERS = 160

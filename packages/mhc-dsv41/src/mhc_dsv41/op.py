@@ -35,8 +35,10 @@ from . import library  # noqa: F401  (registers the mhc::dsv41_* custom ops)
 from .config import (
     COLLECTIVE_KERNEL,
     PERSISTENT_MIN_TOKENS,
+    CollectiveTarget,
     DSV41Preset,
     MHCConfig,
+    collective_routing,
     default_geometry,
     resident_clusters,
 )
@@ -119,6 +121,8 @@ class AllReduceMHC(LamportOp):
         if persistent_min_tokens is not None:  # above MAX_NUM_TOKENS no call reaches it
             check_int("persistent_min_tokens", persistent_min_tokens, minimum=1, maximum=MAX_NUM_TOKENS)
         self.persistent_min_tokens = PERSISTENT_MIN_TOKENS if persistent_min_tokens is None else persistent_min_tokens
+        #: Which collective serves M tokens: the call's launch gets its thresholds and its targets' kernels.
+        self.routing = collective_routing(self.persistent_min_tokens)
         self.norm_eps = check_positive_float("norm_eps", norm_eps)
         check_int("top_k", top_k, minimum=1, maximum=MAX_TOP_K)
         super().__init__(
@@ -152,8 +156,10 @@ class AllReduceMHC(LamportOp):
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             clusters = resident_clusters(persistent, sms)
         self.clusters = clusters
-        # The one-token collective, then the persistent one (``_collect_launches``' variants).
-        self._collective_kernels = [self._compile(KernelSpec(COLLECTIVE_KERNEL, c)) for c in (self.config, persistent)]
+        configs = {CollectiveTarget(False): self.config, CollectiveTarget(True): persistent}
+        self._collective_kernels = {
+            target: self._compile(KernelSpec(COLLECTIVE_KERNEL, configs[target])) for target in self.routing.targets
+        }
         self._setup()
 
     def _model_fingerprint(self) -> dict[str, Any]:
@@ -244,9 +250,9 @@ class AllReduceMHC(LamportOp):
             direct=Fixed(int(direct)),
             clusters=Fixed(self.clusters),
         )
-        kernels = self._collective_kernels
+        kernels = [self._collective_kernels[target] for target in self.routing.targets]
         functions = [kernel.function for kernel in kernels]
-        return [Launch(functions, kernels[0].signature, sources, min_tokens=(1, self.persistent_min_tokens))]
+        return [Launch(functions, kernels[0].signature, sources, min_tokens=self.routing.thresholds)]
 
     def _allocate(self, like: Any, values: tuple[Any, ...], m: int) -> tuple[torch.Tensor, ...]:
         if not self._quantizes:
@@ -261,7 +267,8 @@ class AllReduceMHC(LamportOp):
         mixes = torch.zeros(1, hc, dtype=torch.float32, device=device)
         comb = torch.zeros(1, hc, hc, dtype=torch.float32, device=device)
         weight = torch.ones(hidden, dtype=torch.bfloat16, device=device)
-        return [((residual, mixes, comb, mixes, weight, 1e-6), variant) for variant in range(2)]  # each collective
+        values = (residual, mixes, comb, mixes, weight, 1e-6)
+        return [(values, route) for route in range(len(self.routing))]  # each collective
 
     def _plan_values(self, method: str, *args: Any, **kwargs: Any) -> tuple[object, tuple[Any, ...], Any]:
         out = kwargs.pop("out", None)

@@ -48,6 +48,7 @@ from mhc_core.presets import (
     require_threads,
     require_tp,
 )
+from mhc_core.routing import MRangeDispatch
 
 #: A plain publish's finalize fields (every config here lists every field: the dict is what a
 #: kernel's key is built from, so it must equal the config dataclass's ``asdict``).
@@ -280,36 +281,41 @@ def grouped_kernel_shared_bytes(
     return grouped_shared_bytes(hidden, cluster_size, tokens, layer_input_format)
 
 
-def tokens_per_cluster(cluster_tokens: tuple[tuple[int, int], ...], m: int) -> int:
-    """The entry with the largest threshold ``<= m``; 1 below the first."""
-    chosen = 1
-    for threshold, tokens in cluster_tokens:
-        if m >= threshold:
-            chosen = tokens
-    return chosen
-
-
 #: The tensor-core kernel, and the persistent boundary built on its stages.
 MMA_KERNEL = "mhc_glm5.grouped_mma:MmaGroupBoundaryKernel"
 PERSISTENT_KERNEL = "mhc_glm5.persistent:PersistentBoundaryKernel"
-#: The persistent boundary's name among a preset's kernels (``GLM5Preset.kernel_specs``).
-PERSISTENT_NAME = "boundary_persistent"
 
 
-def boundary_name(tokens: int) -> str:
-    """The name among a preset's kernels (``GLM5Preset.kernel_specs``) of the boundary serving
-    ``tokens`` tokens per cluster."""
-    return "boundary" if tokens == 1 else f"boundary_x{tokens}"
+@dataclass(frozen=True)
+class BoundaryTarget:
+    """A boundary kernel a call can take: ``tokens`` tokens per cluster, or the persistent boundary
+    (``PERSISTENT_TOKENS`` tokens per group, its clusters looping over the groups)."""
+
+    tokens: int
+    persistent: bool = False
+
+    @property
+    def kernel_name(self) -> str:
+        """Its name among a preset's kernels (``GLM5Preset.kernel_specs``, the shipped symbols)."""
+        if self.persistent:
+            return "boundary_persistent"
+        return "boundary" if self.tokens == 1 else f"boundary_x{self.tokens}"
 
 
-def boundary_variants(cluster_tokens: tuple[tuple[int, int], ...], persistent_min_tokens: int) -> list[tuple[int, str]]:
-    """The boundary launch's variants in order, as ``(min_tokens, kernel name)``: the one-token
-    kernel, each ``cluster_tokens`` entry's, then the persistent one when on (a call takes the last
-    whose min_tokens <= M, as the native program does)."""
-    variants = [(1, boundary_name(1))] + [(threshold, boundary_name(tokens)) for threshold, tokens in cluster_tokens]
+#: The persistent boundary's target.
+PERSISTENT = BoundaryTarget(PERSISTENT_TOKENS, persistent=True)
+
+
+def boundary_routing(
+    cluster_tokens: tuple[tuple[int, int], ...], persistent_min_tokens: int
+) -> MRangeDispatch[BoundaryTarget]:
+    """Which boundary serves M tokens: one token per cluster from 1, each ``cluster_tokens`` entry's
+    from its threshold, the persistent boundary from ``persistent_min_tokens`` (0: never)."""
+    # A threshold of 1 replaces the one-token kernel (``MRangeDispatch.of``).
+    pairs = [(1, BoundaryTarget(1))] + [(threshold, BoundaryTarget(tokens)) for threshold, tokens in cluster_tokens]
     if persistent_min_tokens:
-        variants.append((persistent_min_tokens, PERSISTENT_NAME))
-    return variants
+        pairs.append((persistent_min_tokens, PERSISTENT))
+    return MRangeDispatch.of(*pairs)
 
 
 def grouped_kernel_path(tokens: int) -> str:
@@ -461,6 +467,7 @@ class GLM5Preset:
             unfit = persistent_fits(self.hidden, self.cluster_size, fmt)
             require(unfit is None, "persistent_min_tokens", f"the persistent boundary does not fit: {unfit}; use 0",
                     self.persistent_min_tokens)  # fmt: skip
+        self.routing  # noqa: B018  (builds the routing: an invalid one raises here, with the preset)
         require_positive_float("rms_eps", self.rms_eps)
         require_positive_float("hc_eps", self.hc_eps)
         require_positive_float("post_mult", self.post_mult)
@@ -484,8 +491,15 @@ class GLM5Preset:
     def grouped_sizes(self) -> tuple[int, ...]:
         return tuple(sorted({tokens for _, tokens in self.cluster_tokens if tokens > 1}))
 
+    @property
+    def routing(self) -> MRangeDispatch[BoundaryTarget]:
+        """Which boundary serves M tokens (``boundary_routing``; validated with the preset)."""
+        return boundary_routing(self.cluster_tokens, self.persistent_min_tokens)
+
     def tokens_per_cluster(self, m: int) -> int:
-        return tokens_per_cluster(self.cluster_tokens, m)
+        """Tokens per cluster of the one-token or grouped boundary serving M tokens (persistent or not:
+        its ``cluster_tokens`` entry)."""
+        return boundary_routing(self.cluster_tokens, 0).select(m).tokens
 
     def geometry(self) -> dict[str, Any]:
         return {
@@ -548,14 +562,14 @@ class GLM5Preset:
                 "mhc_core.device.publish:FinalizePublishKernel",
                 {**publish, "store": "unicast", "top_k": self.top_k, "weights": weights},
             )
-        specs[boundary_name(1)] = ("mhc_glm5.boundary:BoundaryKernel", self.boundary_config(arch))
+        specs[BoundaryTarget(1).kernel_name] = ("mhc_glm5.boundary:BoundaryKernel", self.boundary_config(arch))
         for tokens in self.grouped_sizes:
-            specs[boundary_name(tokens)] = (
+            specs[BoundaryTarget(tokens).kernel_name] = (
                 grouped_kernel_path(tokens),
                 {**self.boundary_config(arch), "tokens": tokens},
             )
         if self.persistent_min_tokens:
-            specs[PERSISTENT_NAME] = (
+            specs[PERSISTENT.kernel_name] = (
                 PERSISTENT_KERNEL,
                 {**self.boundary_config(arch), "tokens": PERSISTENT_TOKENS, "persistent": True},
             )
@@ -571,4 +585,13 @@ class GLM5Preset:
         return specs
 
 
-__all__ = ["HC", "MIX", "VALUES", "GLM5Preset", "PresetError", "thresholds_from_mapping", "tokens_per_cluster"]
+__all__ = [
+    "HC",
+    "MIX",
+    "VALUES",
+    "BoundaryTarget",
+    "GLM5Preset",
+    "PresetError",
+    "boundary_routing",
+    "thresholds_from_mapping",
+]

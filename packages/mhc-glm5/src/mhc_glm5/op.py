@@ -43,7 +43,7 @@ import torch
 from mhc_core.constants import SUPPORTED_ARCHS
 from mhc_core.device.configs import TRIGGER_AFTER_WAIT
 from mhc_core.host.calls import IN_PLACE_LAYER_INPUT, M, Rule, TensorRule, tensor
-from mhc_core.host.compiler import KernelSpec
+from mhc_core.host.compiler import CompiledKernel, KernelSpec
 from mhc_core.host.layer_input import LayerInput
 from mhc_core.host.moe import MoEOutput
 from mhc_core.host.op import MAX_NUM_TOKENS, LamportOp
@@ -57,9 +57,8 @@ from . import library  # noqa: F401  (registers the mhc::glm5_* custom ops)
 from .config import (
     HC,
     MIX,
-    PERSISTENT_TOKENS,
+    BoundaryTarget,
     GLM5Preset,
-    boundary_variants,
     persistent_clusters,
     thresholds_from_mapping,
 )
@@ -203,13 +202,18 @@ class AllReduceMhcBoundary(LamportOp):
         self.preset = dataclasses.replace(preset, archs=(self.arch,))
         self.cluster_tokens = self.preset.cluster_tokens
         self.persistent_min_tokens = self.preset.persistent_min_tokens
+        #: Which boundary serves M tokens (``mhc_glm5.config.boundary_routing``): the call's launch
+        #: gets its thresholds and its targets' kernels, in order.
+        self.routing = self.preset.routing
         if clusters is None:
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             clusters = persistent_clusters(sms, self.preset.cluster_size)
         self.clusters = clusters
         # The kernels the preset lists (what `nox -s build` compiles): each boundary variant's, once.
         specs = self.preset.kernel_specs(self.arch)
-        self._boundary_kernels = {name: self._compile(KernelSpec(*specs[name])) for _, name in self._variants()}
+        self._boundary_kernels: dict[BoundaryTarget, CompiledKernel] = {
+            target: self._compile(KernelSpec(*specs[target.kernel_name])) for target in self.routing.targets
+        }
         self._mixes_kernel = self._compile(KernelSpec(*specs["mixes"]))
         # Per token: the boundary writes the raw mixes, the mixes kernel polls, copies and re-arms them.
         self._mixes_handoff = torch.full((self.capacity, MIX), -0.0, dtype=torch.float32, device=self.device)
@@ -311,13 +315,11 @@ class AllReduceMhcBoundary(LamportOp):
     def tokens_per_cluster(self, m: int) -> int:
         """Tokens per cluster (per group, for the persistent boundary) of the kernel ``__call__``
         picks for M tokens."""
-        if self.persistent(m):
-            return PERSISTENT_TOKENS
-        return self.preset.tokens_per_cluster(m)
+        return self.routing.select(m).tokens
 
     def persistent(self, m: int) -> bool:
         """Whether a call with M tokens takes the persistent boundary (``persistent_min_tokens``)."""
-        return bool(self.persistent_min_tokens) and m >= self.persistent_min_tokens
+        return self.routing.select(m).persistent
 
     def _side(self) -> tuple[int, int]:
         return self._side_work.handle, self._side_work.fork_handle
@@ -349,13 +351,9 @@ class AllReduceMhcBoundary(LamportOp):
             *self.layer_input.output_rules(LAYER_INPUT_OUTPUT, self.hidden_size, aliases=IN_PLACE_LAYER_INPUT),
         )
 
-    def _variants(self) -> list[tuple[int, str]]:
-        """The boundary launch's variants in order (``mhc_glm5.config.boundary_variants``)."""
-        return boundary_variants(self.cluster_tokens, self.persistent_min_tokens)
-
-    def _variant_name(self, m: int) -> str:
-        """The boundary kernel the native program picks for M tokens."""
-        return [name for threshold, name in self._variants() if m >= threshold][-1]
+    def boundary_kernel(self, m: int) -> CompiledKernel:
+        """The boundary kernel a call of M tokens launches (the native program picks the same)."""
+        return self._boundary_kernels[self.routing.select(m)]
 
     def _collect_launches(self, *, direct: bool, prefetch: Source) -> list[Launch]:
         residual_out, post_out, comb_out = (Pointer(name) for name in OUTPUT_NAMES)
@@ -374,8 +372,7 @@ class AllReduceMhcBoundary(LamportOp):
             direct=Fixed(int(direct)),
             clusters=Fixed(self.clusters),
         )
-        variants = self._variants()
-        kernels = [self._boundary_kernels[name] for _, name in variants]
+        kernels = [self._boundary_kernels[target] for target in self.routing.targets]
         assert self.mailbox is not None
         mixes: dict[str, Source] = dict(
             # The hand-off wait outlasts the boundary's own (``SpinGuard.handoff_limit_ns``); a timeout
@@ -395,7 +392,7 @@ class AllReduceMhcBoundary(LamportOp):
                 [kernel.function for kernel in kernels],
                 kernels[0].signature,
                 boundary,
-                min_tokens=[threshold for threshold, _ in variants],
+                min_tokens=self.routing.thresholds,
                 # The mixes kernel waits for what precedes the boundary, not for the boundary.
                 forks_side=True,
             ),
@@ -424,9 +421,9 @@ class AllReduceMhcBoundary(LamportOp):
         base = torch.zeros(MIX, dtype=torch.float32, device=device)
         weight = torch.ones(hidden, dtype=torch.bfloat16, device=device)
         values = (residual, post, comb, fn, scale, base, weight)
-        names = [name for _, name in self._variants()]
-        # One launch of each boundary kernel (the variant that first serves it).
-        return [(values, names.index(name)) for name in self._boundary_kernels]
+        targets = self.routing.targets
+        # One launch of each boundary kernel (the first route it serves).
+        return [(values, targets.index(target)) for target in self._boundary_kernels]
 
     def _plan_values(self, method: str, *args: Any, **kwargs: Any) -> tuple[object, tuple[Any, ...], Any]:
         if method != "call":
