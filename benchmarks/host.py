@@ -138,6 +138,27 @@ def rows(m: int = 1) -> list[tuple[str, int, float, float, int]]:
 
     out.append(("AllReduceMhcBoundary.__call__(out=...) + join()", 1, *eager_us(glm_step_out), 2))
 
+    # The custom-op path: the typed wrappers (eager: the op's own call, ``mhc_core.host.library.eager``)
+    # and the torch.ops.mhc ops called by hand (the dispatcher's one Python kernel).
+    from mhc_dsv41 import library as dsv_library
+    from mhc_glm5 import library as glm_library
+
+    out.append(("mhc_dsv41.library.boundary", 1, *eager_us(lambda: dsv_library.boundary(dsv, *args)), 1))
+    ops_args = (dsv.state, dsv.handle, *args, dsv.norm_eps)
+    out.append(("torch.ops.mhc.dsv41_boundary", 1, *eager_us(lambda: torch.ops.mhc.dsv41_boundary(*ops_args)), 1))
+
+    def glm_library_step() -> None:
+        fused = glm_library.boundary(glm, *glm_args)
+        glm_library.join(glm, fused[0])
+
+    out.append(("mhc_glm5.library.boundary + join", 1, *eager_us(glm_library_step), 2))
+
+    def glm_ops_step() -> None:
+        fused = torch.ops.mhc.glm5_boundary(glm.state, glm.handle, *glm_args)
+        torch.ops.mhc.glm5_join(glm.state, glm.handle, fused[0])
+
+    out.append(("torch.ops.mhc.glm5_boundary + glm5_join", 1, *eager_us(glm_ops_step), 2))
+
     group = LoopbackGroup(2, device)
     dsv2 = [AllReduceMHC.from_preset("h200-tp2-h5120", max_num_tokens=8, device=device, group=r) for r in group]
     dsv2_args = [_dsv_args(m) for _ in group]

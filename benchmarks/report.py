@@ -38,15 +38,17 @@ def table(records) -> str:
 
 def host_table(records) -> str:
     """The host-overhead suite: one row per call, host and wall microseconds, the launch floor."""
-    lines = ["\nhost overhead (eager us per call, outputs allocated by the op)"]
-    lines.append("| call | tp | M | host us | wall us | launch floor x launches |")
-    lines.append("|---|---|---|---|---|---|")
+    lines = ["\nhost overhead (eager us per call, outputs allocated by the op; host x F.rms_norm of the same run)"]
+    lines.append("| call | tp | M | host us | x F.rms_norm | wall us | launch floor x launches |")
+    lines.append("|---|---|---|---|---|---|---|")
     walls = {(r.variant.rsplit(" | ", 1)[0], r.tp, r.m): r.us for r in records if r.variant.endswith(" | wall")}
+    norms = {r.m: r.us for r in records if r.variant == "torch F.rms_norm | host"}
     for r in records:
         if r.variant.endswith(" | host"):
             label = r.variant.rsplit(" | ", 1)[0]
             wall = walls.get((label, r.tp, r.m), float("nan"))
-            lines.append(f"| {label} | {r.tp} | {r.m} | {r.us:.1f} | {wall:.1f} | {r.floor_us:.1f} |")
+            ratio = r.us / norms[r.m] if norms.get(r.m) else float("nan")
+            lines.append(f"| {label} | {r.tp} | {r.m} | {r.us:.1f} | {ratio:.2f} | {wall:.1f} | {r.floor_us:.1f} |")
     return "\n".join(lines)
 
 

@@ -61,12 +61,18 @@ def test_persistent_glm_suite_is_registered() -> None:
     assert "glm5-persistent" in SUITES and RUNNERS["glm5-persistent"].__name__ == "glm5_persistent"
 
 
-def test_host_table_pairs_host_and_wall() -> None:
+def test_host_table_pairs_host_and_wall_and_sets_every_path_beside_rms_norm() -> None:
     from benchmarks.report import host_table
     from benchmarks.suites import Record
 
-    records = [Record("host", 1, 1, "op | host", 10.0, 4.5), Record("host", 1, 1, "op | wall", 11.0, 4.5)]
-    assert "| op | 1 | 1 | 10.0 | 11.0 | 4.5 |" in host_table(records)
+    records = [
+        Record("host", 1, 1, "torch F.rms_norm | host", 8.0, 4.5),
+        Record("host", 1, 1, "op | host", 10.0, 4.5),
+        Record("host", 1, 1, "op | wall", 11.0, 4.5),
+    ]
+    table = host_table(records)
+    assert "| op | 1 | 1 | 10.0 | 1.25 | 11.0 | 4.5 |" in table
+    assert "| torch F.rms_norm | 1 | 1 | 8.0 | 1.00 | nan | 4.5 |" in table
 
 
 # ------------------------------------------------------------------ glm5-overlap
