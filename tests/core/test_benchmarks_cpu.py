@@ -4,10 +4,13 @@ fake tensors), order check and table; the persistent GLM suite's registration.""
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -161,3 +164,26 @@ def test_overlap_table_derives_the_hidden_time() -> None:
              "(d) boundary, join, gemm": 20.0}  # fmt: skip
     records = [Record("glm5-overlap", 1, 8, label, us, 15.0) for label, us in times.items()]
     assert "| 1 | 8 | 6.00 | 14.00 | 20.00 | 17.50 | 20.00 | 2.50 |" in overlap_table(records)
+
+
+# ------------------------------------------------------------------ host instructions (callgrind)
+def test_host_instructions_reads_each_paths_dump(tmp_path) -> None:
+    from benchmarks.host_instructions import totals
+
+    (tmp_path / "callgrind.7.1").write_text("desc: Trigger: Client Request: dsv call\nsummary: 0\ntotals: 5000\n")
+    (tmp_path / "callgrind.7.2").write_text("desc: Trigger: Client Request: glm call + join\ntotals: 9000\n")
+    (tmp_path / "callgrind.7").write_text("desc: Trigger: Program termination\ntotals: 1\n")
+    assert totals(tmp_path, 10) == {"dsv call": 500.0, "glm call + join": 900.0}
+
+
+def test_host_instructions_worker_runs_every_path(tmp_path) -> None:
+    """The worker outside valgrind (its client requests do nothing there): every path runs on this tree."""
+    from benchmarks.host_instructions import client_requests
+
+    if shutil.which("gcc") is None or not Path("/usr/include/valgrind/callgrind.h").exists():
+        pytest.skip("needs gcc and valgrind's callgrind.h (the client requests' library)")
+    library = client_requests(tmp_path)
+    root = Path(__file__).resolve().parents[2]
+    command = [sys.executable, "-m", "benchmarks.host_instructions", "--worker", str(root), str(library), "3"]
+    env = {**os.environ, "MHC_CACHE_DIR": str(tmp_path / "cache")}
+    subprocess.run(command, cwd=root, env=env, check=True, capture_output=True, timeout=600)
