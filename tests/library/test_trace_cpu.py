@@ -145,3 +145,19 @@ def test_glm5_join_comes_before_the_side_outputs_are_used() -> None:
     assert post.shape == (M, HC, 1) and post.dtype == F32
     assert comb.shape == (M, HC, HC) and comb.dtype == F32
     assert streams.shape == (M, HC, HIDDEN) and hidden.shape == (M, HIDDEN)
+
+
+def test_no_mutating_op_returns_a_list() -> None:
+    """Functionalization (torch.compile's AOT dispatch, opcheck) refuses a mutating custom op whose
+    return is ``Tensor[]`` ("output has alias annotations"; seen on the H200 for the FP8 ops, which
+    returned a list): every ``mhc`` op that writes its state returns a fixed tuple."""
+    import mhc_dsv41.library  # noqa: F401
+    import mhc_glm5.library  # noqa: F401
+
+    names = [name for name in torch._C._dispatch_get_all_op_names() if name.startswith("mhc::")]
+    assert len(names) >= 15, names
+    for name in names:
+        schema = torch._C._get_schema(name, "")
+        mutates = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        lists = [str(r.type) for r in schema.returns if isinstance(r.type, torch.ListType)]
+        assert not (mutates and lists), f"{name} mutates an argument and returns {lists}: {schema}"

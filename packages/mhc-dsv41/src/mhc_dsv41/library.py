@@ -9,8 +9,8 @@ op's state (mutated: the calls keep their order) and handle, and returns ``(resi
 An op built with an FP8 ``layer_input_format`` (issue #33) goes through ``mhc::dsv41_boundary_fp8``,
 ``mhc::dsv41_finalize_fp8`` and ``mhc::dsv41_collect_fp8``: the same arguments, then the format and
 ``layer_input_bf16`` (checked against the op's: the fake implementations derive the outputs from the
-arguments alone), returning a list ``[residual_out, q, scales]`` or ``[residual_out, q, scales,
-layer_input]`` (``mhc_core.host.layer_input``: ``q`` ``float8_e4m3fn [M, hidden]``, ``scales`` of the
+arguments alone), returning ``(residual_out, q, scales, layer_input)``, ``layer_input`` empty
+unless kept (``mhc_core.host.layer_input``: ``q`` ``float8_e4m3fn [M, hidden]``, ``scales`` of the
 format's shape, strides and allocation, ``mhc_core.fp8.Fp8Format.empty_scales``). Separate ops, so
 the BF16 ones keep their schema and cost; the wrappers pick by the op's format and return a tuple.
 """
@@ -109,15 +109,17 @@ def _(state, handle, residual, post, comb, pre, norm_weight, norm_eps):
 # ------------------------------------------------------------------ FP8 layer input
 def _fp8_outputs(
     residual: Tensor, like: Tensor | None, layer_input_format: str, layer_input_bf16: bool
-) -> list[Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The fake outputs: ``like`` is the publish input (x, the MoE shared output) or None (a collect)."""
     m, hidden = residual.shape[0], residual.shape[2]
-    outputs = LayerInput(layer_input_format, layer_input_bf16).allocate(like, residual, m, hidden)
-    return [torch.empty_like(residual), *outputs]
+    layer_input = LayerInput(layer_input_format, layer_input_bf16)
+    return layer_input.op_outputs((torch.empty_like(residual), *layer_input.allocate(like, residual, m, hidden)))
 
 
-def _run_fp8(handle: int, state: Tensor, layer_input_format: str, layer_input_bf16: bool, call) -> list[Tensor]:
-    def checked(op: AllReduceMHC) -> list[Tensor]:
+def _run_fp8(
+    handle: int, state: Tensor, layer_input_format: str, layer_input_bf16: bool, call
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def checked(op: AllReduceMHC) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         wanted = LayerInput(layer_input_format, layer_input_bf16)
         if op.layer_input != wanted:
             raise ValueError(
@@ -125,7 +127,7 @@ def _run_fp8(handle: int, state: Tensor, layer_input_format: str, layer_input_bf
                 f"(layer_input_bf16={op.layer_input.keep_bf16}), the call asks for {layer_input_format!r} "
                 f"(layer_input_bf16={layer_input_bf16})"
             )
-        return list(call(op))
+        return wanted.op_outputs(tuple(call(op)))
 
     return library.run(handle, state, checked)
 
@@ -143,7 +145,7 @@ def dsv41_boundary_fp8(
     norm_eps: float,
     layer_input_format: str,
     layer_input_bf16: bool,
-) -> list[Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _run_fp8(
         handle, state, layer_input_format, layer_input_bf16,
         lambda op: op(x, residual, post, comb, pre, norm_weight, norm_eps),
@@ -171,7 +173,7 @@ def dsv41_finalize_fp8(
     norm_eps: float,
     layer_input_format: str,
     layer_input_bf16: bool,
-) -> list[Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     moe = (gemm2_permuted, expert_weights, index, shared_output)
     return _run_fp8(
         handle, state, layer_input_format, layer_input_bf16,
@@ -211,7 +213,7 @@ def dsv41_collect_fp8(
     norm_eps: float,
     layer_input_format: str,
     layer_input_bf16: bool,
-) -> list[Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _run_fp8(
         handle, state, layer_input_format, layer_input_bf16,
         lambda op: op.collect(residual, post, comb, pre, norm_weight, norm_eps),
@@ -250,13 +252,13 @@ def boundary(
     fmt = getattr(op, "layer_input", None)  # a stand-in with state and handle alone: BF16
     if fmt is not None and fmt.quantizes:
         if isinstance(x, MoEOutput):
-            return tuple(
+            return fmt.call_outputs(
                 torch.ops.mhc.dsv41_finalize_fp8(
                     op.state, op.handle, x.gemm2_permuted, x.expert_weights, x.expanded_idx_to_permuted_idx,
                     x.shared_output, residual, post, comb, pre, norm_weight, norm_eps, fmt.format, fmt.keep_bf16,
                 )
             )  # fmt: skip
-        return tuple(
+        return fmt.call_outputs(
             torch.ops.mhc.dsv41_boundary_fp8(
                 op.state, op.handle, x, residual, post, comb, pre, norm_weight, norm_eps, fmt.format, fmt.keep_bf16
             )
@@ -286,7 +288,7 @@ def collect(
         return op.collect(residual, post, comb, pre, norm_weight, norm_eps)
     fmt = getattr(op, "layer_input", None)  # a stand-in with state and handle alone: BF16
     if fmt is not None and fmt.quantizes:
-        return tuple(
+        return fmt.call_outputs(
             torch.ops.mhc.dsv41_collect_fp8(
                 op.state, op.handle, residual, post, comb, pre, norm_weight, norm_eps, fmt.format, fmt.keep_bf16
             )

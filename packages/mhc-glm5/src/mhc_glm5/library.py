@@ -16,8 +16,8 @@ it: threads sharing one op pair their boundary and join calls under a lock of th
 An op built with an FP8 ``layer_input_format`` (issue #33) goes through ``mhc::glm5_boundary_fp8``,
 ``mhc::glm5_boundary_moe_fp8`` and ``mhc::glm5_collect_fp8``: the same arguments, then the format and
 ``layer_input_bf16`` (checked against the op's: the fake implementations derive the outputs from the
-arguments alone), returning a list ``[residual_out, q, scales]`` or ``[residual_out, q, scales,
-layer_input]`` (``mhc_core.host.layer_input``: ``q`` ``float8_e4m3fn [M, hidden]``, ``scales`` of the
+arguments alone), returning ``(residual_out, q, scales, layer_input)``, ``layer_input`` empty
+unless kept (``mhc_core.host.layer_input``: ``q`` ``float8_e4m3fn [M, hidden]``, ``scales`` of the
 format's shape, strides and allocation, ``mhc_core.fp8.Fp8Format.empty_scales``); ``mhc::glm5_join``
 is the same for both. Separate ops, so that the BF16 ones keep their schema and cost; the wrappers
 pick by the op's format and return a tuple.
@@ -142,18 +142,20 @@ def _(state, handle, residual, post, comb, fn, scale, base, norm_weight):
 # ------------------------------------------------------------------ FP8 layer input
 def _fp8_outputs(
     residual: Tensor, like: Tensor | None, layer_input_format: str, layer_input_bf16: bool
-) -> list[Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The fake outputs: ``like`` is the publish input (x, the MoE shared output) or None (a collect)."""
     m, hidden = residual.shape[0], residual.shape[2]
-    outputs = LayerInput(layer_input_format, layer_input_bf16).allocate(like, residual, m, hidden)
-    return [torch.empty_like(residual), *outputs]
+    layer_input = LayerInput(layer_input_format, layer_input_bf16)
+    return layer_input.op_outputs((torch.empty_like(residual), *layer_input.allocate(like, residual, m, hidden)))
 
 
-def _run_fp8(handle: int, state: Tensor, layer_input_format: str, layer_input_bf16: bool, call) -> list[Tensor]:
+def _run_fp8(
+    handle: int, state: Tensor, layer_input_format: str, layer_input_bf16: bool, call
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``call(op)`` (the op's outputs) with the side outputs kept for the join, once the op is known to
     write the format the call's fake implementation assumed."""
 
-    def checked(op: AllReduceMhcBoundary) -> list[Tensor]:
+    def checked(op: AllReduceMhcBoundary) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         wanted = LayerInput(layer_input_format, layer_input_bf16)
         if op.layer_input != wanted:
             raise ValueError(
@@ -161,7 +163,7 @@ def _run_fp8(handle: int, state: Tensor, layer_input_format: str, layer_input_bf
                 f"(layer_input_bf16={op.layer_input.keep_bf16}), the call asks for {layer_input_format!r} "
                 f"(layer_input_bf16={layer_input_bf16})"
             )
-        return list(_fused(handle, call(op)))
+        return wanted.op_outputs(_fused(handle, call(op)))
 
     return library.run(handle, state, checked)
 
@@ -180,7 +182,7 @@ def glm5_boundary_fp8(
     norm_weight: Tensor,
     layer_input_format: str,
     layer_input_bf16: bool,
-) -> list[Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _run_fp8(
         handle, state, layer_input_format, layer_input_bf16,
         lambda op: op(x, residual, post, comb, fn, scale, base, norm_weight),
@@ -209,7 +211,7 @@ def glm5_boundary_moe_fp8(
     norm_weight: Tensor,
     layer_input_format: str,
     layer_input_bf16: bool,
-) -> list[Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     moe = MoEOutput(gemm2_permuted, expert_weights, index, shared_output)
     return _run_fp8(
         handle, state, layer_input_format, layer_input_bf16,
@@ -236,7 +238,7 @@ def glm5_collect_fp8(
     norm_weight: Tensor,
     layer_input_format: str,
     layer_input_bf16: bool,
-) -> list[Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _run_fp8(
         handle, state, layer_input_format, layer_input_bf16,
         lambda op: op.collect(residual, post, comb, fn, scale, base, norm_weight),
@@ -285,13 +287,13 @@ def boundary(
     fmt = _layer_input(op)
     if fmt.quantizes:
         if isinstance(x, MoEOutput):
-            return tuple(
+            return fmt.call_outputs(
                 torch.ops.mhc.glm5_boundary_moe_fp8(
                     op.state, op.handle, x.gemm2_permuted, x.expert_weights, x.expanded_idx_to_permuted_idx,
                     x.shared_output, residual, post, comb, fn, scale, base, norm_weight, fmt.format, fmt.keep_bf16,
                 )
             )  # fmt: skip
-        return tuple(
+        return fmt.call_outputs(
             torch.ops.mhc.glm5_boundary_fp8(
                 op.state, op.handle, x, residual, post, comb, fn, scale, base, norm_weight, fmt.format, fmt.keep_bf16
             )
@@ -321,7 +323,7 @@ def collect(
             return _fused(op.handle, op.collect(residual, post, comb, fn, scale, base, norm_weight))
     fmt = _layer_input(op)
     if fmt.quantizes:
-        return tuple(
+        return fmt.call_outputs(
             torch.ops.mhc.glm5_collect_fp8(
                 op.state, op.handle, residual, post, comb, fn, scale, base, norm_weight, fmt.format, fmt.keep_bf16
             )

@@ -151,6 +151,22 @@ class LayerInput:
         q = base.new_empty((m, hidden), dtype=torch.float8_e4m3fn)
         return (q, self.empty_scales(base, m, hidden), *hidden_out)
 
+    def op_outputs(
+        self, outputs: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A quantising call's outputs ``(residual_out, q, scales[, layer_input])`` as a custom op returns
+        them: always four, the last an empty BF16 tensor when the BF16 layer input is not kept. A fixed
+        tuple because the ops mutate their state: functionalization (torch.compile, opcheck) refuses a
+        mutating custom op that returns a list."""
+        if self.keep_bf16:
+            return outputs  # type: ignore[return-value]
+        residual_out, q, scales = outputs
+        return residual_out, q, scales, residual_out.new_empty(0, dtype=torch.bfloat16)
+
+    def call_outputs(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """A custom op's four outputs back as the op's call returns them (``op_outputs`` undone)."""
+        return tuple(outputs) if self.keep_bf16 else tuple(outputs[:3])
+
     @staticmethod
     def _bf16(like: torch.Tensor | None, base: torch.Tensor, m: Any, hidden: int) -> torch.Tensor:
         if like is not None:
