@@ -144,7 +144,7 @@ def rows(m: int = 1) -> list[tuple[str, int, float, float, int]]:
     from mhc_glm5 import library as glm_library
 
     out.append(("mhc_dsv41.library.boundary", 1, *eager_us(lambda: dsv_library.boundary(dsv, *args)), 1))
-    ops_args = (dsv.state, dsv.handle, *args, dsv.norm_eps)
+    ops_args = (dsv.state, dsv.handle, *args)  # args end with the norm eps
     out.append(("torch.ops.mhc.dsv41_boundary", 1, *eager_us(lambda: torch.ops.mhc.dsv41_boundary(*ops_args)), 1))
 
     def glm_library_step() -> None:
