@@ -285,16 +285,20 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         """One thread polls every rank of its fragments of ``token`` (fragment step 4, rank lanes 1)
         and re-arms them; returns whether the op is poisoned."""
         config = self.config
+        mailbox = protocol.MailboxView(mailbox_base, stage, config.tp, args.capacity, config.hidden)
+        # The lane's fragments of one token: ``fragment``, ``fragment + HC``, ...
+        slots = protocol.Slots(token, token, fragment, LANE_FRAGMENTS, token_step=0, fragment_step=HC)
         half_poisoned = protocol.poll_slots(
-            kept, mailbox_base, stage, token, token, fragment, Int32(0), active, LANE_FRAGMENTS, config.tp, 1,
-            args.capacity, config.hidden, args.spin_limit_ns, args.error_flag, args.stage_state.iterator.toint(),
-            poisoned, 0, HC, counts, counter, args.m,
-        )  # fmt: skip
+            kept,
+            mailbox,
+            slots,
+            protocol.RankLane(Int32(0), 1, active),
+            protocol.SpinBound(args.spin_limit_ns, args.error_flag, args.stage_state.iterator.toint()),
+            poisoned,
+            protocol.TokenCountCheck(counts, counter, args.m),
+        )
         poisoned = poisoned | half_poisoned
-        protocol.rearm_slots(
-            mailbox_base, stage, token, token, fragment, Int32(0), active & (half_poisoned == Boolean(False)),
-            LANE_FRAGMENTS, config.tp, 1, args.capacity, config.hidden, 0, HC,
-        )  # fmt: skip
+        protocol.rearm_slots(mailbox, slots, protocol.RankLane(Int32(0), 1, active & (half_poisoned == Boolean(False))))
         return poisoned
 
     @cute.jit
