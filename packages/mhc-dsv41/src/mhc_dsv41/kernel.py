@@ -382,12 +382,8 @@ class LamportMHCKernel(DeviceKernel):
         )  # fmt: skip
         # Unpacked once into the names the body reads (a field read emits nothing).
         token, iteration, buffer, clusters, m = turn.token, turn.iteration, turn.buffer, turn.clusters, turn.m
-        stream_words, post_mix, pre_mix, comb_mix = (
-            inputs.stream_words,
-            inputs.post_mix,
-            inputs.pre_mix,
-            inputs.comb_mix,
-        )
+        stream_words, post_mix = inputs.stream_words, inputs.post_mix
+        pre_mix, comb_mix = inputs.pre_mix, inputs.comb_mix
         tidx, cluster_rank, lane, leader = place.tidx, place.cluster_rank, place.lane, place.leader
         group, base_fragment = place.group, place.base_fragment
         x, from_x, x_stage = direct.x, direct.from_x, direct.staged
@@ -508,11 +504,8 @@ class LamportMHCKernel(DeviceKernel):
         """
         config = self.config
         hidden, layout, groups = config.hidden, config.scale_layout, config.scale_groups
-        layer_input, layer_input_q, layer_input_scales = (
-            outputs.layer_input,
-            outputs.layer_input_q,
-            outputs.layer_input_scales,
-        )
+        layer_input = outputs.layer_input
+        layer_input_q, layer_input_scales = outputs.layer_input_q, outputs.layer_input_scales
         tidx, cluster_rank, leader, base_fragment = place.tidx, place.cluster_rank, place.leader, place.base_fragment
         fragments_per_group = config.fp8_group // VEC_BF16
         steps = fragments_per_group.bit_length() - 1  # log2: a group is 4 or 16 fragments

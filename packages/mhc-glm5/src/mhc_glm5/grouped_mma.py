@@ -55,6 +55,8 @@ groups of 8 tokens in a loop per cluster.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, Int64, Uint32
@@ -90,6 +92,25 @@ TOKENS_PER_HALF = WARP_SIZE // HC
 N_TILES = MIX // 8
 #: Fragments each lane owns outside the MMA: ``q`` (``q + 4``, ... with more fragments per warp).
 LANE_FRAGMENTS = FRAGMENTS_PER_WARP // HC
+
+
+@dataclass(frozen=True)
+class LanePlace:
+    """Where a thread of the tensor-core kernels sits, fixed for the launch: its CTA's rank in the
+    cluster, its thread index, warp and lane in the warp, the warp's first fragment in the CTA
+    (``local``) and in the hidden dimension (``first_fragment``), and its lane group's token ``g``
+    and its stream / rank lane ``q``. An argument bundle: a trace-time group (a field read emits
+    nothing, so the PTX is what the separate arguments gave), frozen so that the DSL passes it
+    into a dynamic region read-only."""
+
+    cluster_rank: Int32
+    tidx: Int32
+    warp: Int32
+    lane_id: Int32
+    local: Int32
+    first_fragment: Int32
+    g: Int32
+    q: Int32
 
 
 @cute.jit
@@ -202,7 +223,10 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
                 fn_stage.wait(staged_barrier)
             squares[h] = self.post_mix_half(kept[h], staged, mix_inputs + t * MIX_INPUTS, t, local, q, from_x, poisoned)
         self.gemv_to_cluster(staged, fn_staged, fn_barrier, sums, squares, warp, local, g, q)
-        self.epilogue(args, staged, sums, gamma_words, first, last, warp, lane_id, local, first_fragment, g, q, store)
+        self.epilogue(
+            args, staged, sums, gamma_words, first, last,
+            LanePlace(cluster_rank, tidx, warp, lane_id, local, first_fragment, g, q), store,
+        )  # fmt: skip
         stages.finish(
             tidx, args.stage_state, args.arrivals, stage, stages.group_count(args.m, tokens), cluster_rank, polled,
             poisoned,
@@ -398,12 +422,14 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
     @cute.jit
     def epilogue(
         self, args: BoundaryArgs, staged: cute.Pointer, sums: stages.ClusterSums, gamma_words: cute.Tensor,
-        first: Int32, last: Int32, warp: Int32, lane_id: Int32, local: Int32, first_fragment: Int32, g: Int32,
-        q: Int32, store: Fp8Store | None = None,
+        first: Int32, last: Int32, place: LanePlace, store: Fp8Store | None = None,
     ):  # fmt: skip
         """The raw mixes handed off, the PDL wait, then per token ``residual_out`` from ``staged``, the
         collapse, the cluster's sum of squares and the normalised layer input."""
         config = self.config
+        warp, lane_id, local, first_fragment, g, q = (
+            place.warp, place.lane_id, place.local, place.first_fragment, place.g, place.q
+        )  # fmt: skip
         halves = config.tokens // TOKENS_PER_HALF
         self.write_raw_mixes(args, sums, first, last, warp, lane_id)
         prenorm = cute.make_rmem_tensor(
