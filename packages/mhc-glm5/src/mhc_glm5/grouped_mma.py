@@ -427,15 +427,13 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         """The raw mixes handed off, the PDL wait, then per token ``residual_out`` from ``staged``, the
         collapse, the cluster's sum of squares and the normalised layer input."""
         config = self.config
-        warp, lane_id, local, first_fragment, g, q = (
-            place.warp, place.lane_id, place.local, place.first_fragment, place.g, place.q
-        )  # fmt: skip
+        warp, lane_id, first_fragment, g, q = place.warp, place.lane_id, place.first_fragment, place.g, place.q
         halves = config.tokens // TOKENS_PER_HALF
         self.write_raw_mixes(args, sums, first, last, warp, lane_id)
         prenorm = cute.make_rmem_tensor(
             cute.make_layout((halves, LANE_FRAGMENTS, 4), stride=(LANE_FRAGMENTS * 4, 4, 1)), Uint32
         )
-        self.collapse(args, staged, sums, first, last, warp, local, g, q, prenorm, None, first_fragment)
+        self.collapse(args, staged, sums, first, last, place, prenorm, None)
         sums.squares_to_cluster()
         self.store_layer_input(args, sums, prenorm, gamma_words, first, last, first_fragment, g, q, store, warp)
 
@@ -456,12 +454,13 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
     @cute.jit
     def collapse(
         self, args: BoundaryArgs, staged: cute.Pointer, sums: stages.ClusterSums, first: Int32, last: Int32,
-        warp: Int32, local: Int32, g: Int32, q: Int32, prenorm: cute.Tensor, held, first_fragment: Int32 = 0,
+        place: LanePlace, prenorm: cute.Tensor, held,
     ):  # fmt: skip
         """After the PDL wait: per token the streams from ``staged`` (stored into ``residual_out``, or
         kept in ``held`` for ``store_held``), collapsed with the pre weights from ``sums.totals`` into
         ``prenorm``, the warps' sums of squares into ``sums.warp_squares``."""
         config = self.config
+        warp, local, g, q, first_fragment = place.warp, place.local, place.g, place.q, place.first_fragment
         hidden, tokens, fragments = config.hidden, config.tokens, config.groups_per_cta
         halves = tokens // TOKENS_PER_HALF
         cute.arch.griddepcontrol_wait()

@@ -198,7 +198,7 @@ class PersistentBoundaryKernel(MmaGroupBoundaryKernel):
             # (its next phase armed now: every thread waited on the last one in that group's front).
             freed = (iteration + PERSISTENT_BUFFERS - 1) % PERSISTENT_BUFFERS
             before = self.buffer(staged_buffers, freed)
-            self.collapse(args, before, halves, previous, last, warp, local, g, q, prenorm, held)
+            self.collapse(args, before, halves, previous, last, place, prenorm, held)
             fn_stage.expect(staged_barriers + freed, self.stream_bytes)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier()
@@ -217,7 +217,7 @@ class PersistentBoundaryKernel(MmaGroupBoundaryKernel):
         # The last group: its squares alone.
         final = sums.half(iteration % 2, (iteration + 1) % 2)
         before = self.buffer(staged_buffers, iteration + PERSISTENT_BUFFERS - 1)
-        self.collapse(args, before, final, previous, last, warp, local, g, q, prenorm, held)
+        self.collapse(args, before, final, previous, last, place, prenorm, held)
         cute.arch.barrier()
         final.send_squares()
         cute.arch.cluster_arrive()
