@@ -266,9 +266,10 @@ def spin_clock(started: Int64, spin_limit_ns: Int64) -> tuple:
 # Trace-time groups of a poll's arguments. Reading a field emits nothing, so a function that
 # takes a bundle traces exactly as it did with the separate values (``tools.compile_presets
 # --ptx-digest``). Frozen: the DSL passes a frozen dataclass into a dynamic region read-only
-# instead of carrying it. Build one where its values are already computed (in the call, say):
-# building it earlier would not move any operation, but an expression evaluated for a field
-# (``stage_state.iterator.toint()``) emits where it is written.
+# instead of carrying it. Build one in the call, or earlier from finished values only: an
+# expression evaluated for a field (``stage_state.iterator.toint()``) emits its operations where it
+# is written, and a bundle built before a dynamic loop holds the values from before it, not those
+# the loop carries.
 @dataclass(frozen=True)
 class MailboxView:
     """One stage of this rank's mailbox: everything a slot's or header entry's address is
