@@ -38,6 +38,7 @@ nothing is re-armed or moved on.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import cutlass
@@ -56,6 +57,97 @@ from .config import MHCConfig
 SCALE_DTYPES = {quant.ROW_MAJOR: Float32, quant.MN_MAJOR_PACKED: Int32, quant.SWIZZLED_128X4: Uint8}
 #: Scales are stored 4 bytes at a time at most (an FP32 scale, a padding word).
 SCALE_ALIGN = 4
+
+
+# Argument bundles of the kernel's device functions: trace-time groups (a field read emits
+# nothing, so the PTX is what the separate arguments gave), frozen so that the DSL passes them
+# into a dynamic region read-only (``mhc_core.device.protocol``'s bundles). One whose values a
+# loop carries (``TokenTurn``, ``TokenInputs``) is built in the call, inside that loop.
+@dataclass(frozen=True)
+class ThreadPlace:
+    """Where this thread sits for the whole launch: its index, its CTA's rank in the cluster, its
+    rank lane (``leader``: lane 0, which holds the fragment), its group and first fragment."""
+
+    tidx: Int32
+    cluster_rank: Int32
+    lane: Int32
+    leader: Boolean
+    group: Int32
+    base_fragment: Int32
+
+
+@dataclass(frozen=True)
+class TokenTurn:
+    """The token a cluster finishes: its ``iteration`` of the cluster's loop (0 in the one-token
+    collective), its staging ``buffer``, and the launch's ``clusters`` (the loop's stride) and ``m``."""
+
+    token: Int32
+    iteration: Int32
+    buffer: Int32
+    clusters: Int32
+    m: Int32
+
+
+@dataclass(frozen=True)
+class TokenInputs:
+    """A token's inputs in registers: its residual streams ``[trips, hc, 4]`` words, its mixes (post
+    and pre ``[hc]``, comb ``[hc, hc]`` FP32) and the norm weight ``[trips, 4]`` words."""
+
+    stream_words: cute.Tensor
+    post_mix: cute.Tensor
+    pre_mix: cute.Tensor
+    comb_mix: cute.Tensor
+    gamma_words: cute.Tensor
+
+
+@dataclass(frozen=True)
+class DirectX:
+    """tp = 1's direct read of the sublayer output: ``x``, whether this launch reads it
+    (``protocol.reads_x``) and, persistent, its staging buffers in shared memory (else None)."""
+
+    x: cute.Pointer
+    from_x: Boolean
+    staged: cute.Pointer | None
+
+
+@dataclass(frozen=True)
+class ClusterScratch:
+    """Shared FP32 words of the sum of squares' reduction: one per warp, two per peer CTA."""
+
+    warp_sums: cute.Pointer
+    cluster_sums: cute.Pointer
+
+
+@dataclass(frozen=True)
+class TokenOutputs:
+    """What a token writes: the residual streams, the layer input (BF16; FP8 configs write the codes
+    and scales, None in a BF16 one, and the BF16 one only with ``layer_input_bf16``)."""
+
+    residual_out: cute.Pointer
+    layer_input: cute.Pointer
+    layer_input_q: cute.Pointer | None
+    layer_input_scales: cute.Pointer | None
+
+
+@dataclass(frozen=True)
+class StagingBuffers:
+    """The persistent collective's shared staging of later tokens: ``staged_tokens`` buffers each of
+    residual fragments, of ``x`` fragments (a direct read) and of mixes."""
+
+    streams: cute.Pointer
+    x: cute.Pointer
+    mixes: cute.Pointer
+
+
+@dataclass(frozen=True)
+class TokenSources:
+    """Where a token's inputs are read from in global memory (``x``: a direct read only)."""
+
+    residual: cute.Pointer
+    post: cute.Pointer
+    comb: cute.Pointer
+    pre: cute.Pointer
+    x: cute.Pointer
 
 
 class LamportMHCKernel(DeviceKernel):
@@ -214,23 +306,27 @@ class LamportMHCKernel(DeviceKernel):
                     (comb + (Int64(first_token) * hc + source) * hc + target).llvm_ptr, Float32
                 )
         cute.arch.griddepcontrol_wait()
+        place = ThreadPlace(tidx, cluster_rank, lane, leader, group, base_fragment)
+        staging = StagingBuffers(stream_stage, x_stage, mix_stage)
+        sources = TokenSources(residual, post, comb, pre, x)
         # The next tokens of a looping cluster: one cp.async group each, in token order (the
         # ``depth - 1`` after the first here, then one per later iteration), token ``i`` of this
         # cluster in buffer ``i % depth``; ``depth - 1`` groups may still be in flight when one is used.
         for ahead in cutlass.range_constexpr(1, depth if config.persistent else 1):
-            self.stage_token(
-                ahead, stream_stage, x_stage, mix_stage, residual, post, comb, pre, x, from_x,
-                first_token + ahead * clusters, m, base_fragment, group, leader,
-            )  # fmt: skip
+            self.stage_token(ahead, staging, sources, from_x, first_token + ahead * clusters, m, place)
 
         stage, poisoned = protocol.active_stage(stage_state)
         state = stage_state.iterator.toint()
+        mailbox_view = protocol.MailboxView(mailbox_base, stage, tp, capacity, hidden)
+        spin = protocol.SpinBound(spin_limit_ns, error_flag, state)
+        direct_x = DirectX(x, from_x, x_stage)
+        scratch = ClusterScratch(warp_sums, cluster_sums)
+        outputs = TokenOutputs(residual_out, layer_input, layer_input_q, layer_input_scales)
         if cutlass.const_expr(not config.persistent):
             self.finish_token(
-                first_token, Int32(0), Int32(0), clusters, m, stream_words, post_mix, pre_mix, comb_mix, gamma_words,
-                x_stage, warp_sums, cluster_sums, residual_out, layer_input, eps, x, from_x, mailbox_base,
-                stage_state, stage, state, poisoned, capacity, spin_limit_ns, error_flag, tidx, cluster_rank, lane,
-                leader, group, base_fragment, layer_input_q, layer_input_scales,
+                TokenTurn(first_token, Int32(0), Int32(0), clusters, m),
+                TokenInputs(stream_words, post_mix, pre_mix, comb_mix, gamma_words),
+                place, direct_x, scratch, outputs, eps, mailbox_view, stage_state, spin, poisoned,
             )  # fmt: skip
             return
         iteration = Int32(0)
@@ -238,9 +334,8 @@ class LamportMHCKernel(DeviceKernel):
             buffer = iteration % depth
             if iteration > Int32(0):
                 self.stage_token(
-                    (iteration + depth - 1) % depth, stream_stage, x_stage, mix_stage, residual, post, comb, pre,
-                    x, from_x, token + (depth - 1) * clusters, m, base_fragment, group, leader,
-                )  # fmt: skip
+                    (iteration + depth - 1) % depth, staging, sources, from_x, token + (depth - 1) * clusters, m, place
+                )
                 cute.arch.cp_async_wait_group(depth - 1)  # this token's copies have landed (this thread's)
                 cute.arch.barrier()  # and every thread's (the mixes)
                 streams = stream_stage + buffer * config.staged_stream_words
@@ -257,24 +352,27 @@ class LamportMHCKernel(DeviceKernel):
                             (staged_mixes + 2 * hc + source * hc + target).llvm_ptr, Float32
                         )
             poisoned = self.finish_token(
-                token, iteration, buffer, clusters, m, stream_words, post_mix, pre_mix, comb_mix, gamma_words, x_stage,
-                warp_sums, cluster_sums, residual_out, layer_input, eps, x, from_x, mailbox_base, stage_state, stage,
-                state, poisoned, capacity, spin_limit_ns, error_flag, tidx, cluster_rank, lane, leader, group,
-                base_fragment, layer_input_q, layer_input_scales,
+                TokenTurn(token, iteration, buffer, clusters, m),
+                TokenInputs(stream_words, post_mix, pre_mix, comb_mix, gamma_words),
+                place, direct_x, scratch, outputs, eps, mailbox_view, stage_state, spin, poisoned,
             )  # fmt: skip
             iteration = iteration + 1
 
     @cute.jit
     def finish_token(
-        self, token: Int32, iteration: Int32, buffer: Int32, clusters: Int32, m: Int32, stream_words: cute.Tensor,
-        post_mix: cute.Tensor, pre_mix: cute.Tensor, comb_mix: cute.Tensor, gamma_words: cute.Tensor, x_stage,
-        warp_sums: cute.Pointer, cluster_sums: cute.Pointer, residual_out: cute.Pointer, layer_input: cute.Pointer,
-        eps: Float32, x: cute.Pointer, from_x: Boolean, mailbox_base: Int64, stage_state: cute.Tensor, stage: Uint32,
-        state: Int64,
-        poisoned: Boolean, capacity: Int32, spin_limit_ns: Int64, error_flag: Int64, tidx: Int32, cluster_rank: Int32,
-        lane: Int32, leader: Boolean, group: Int32, base_fragment: Int32, layer_input_q: cute.Pointer,
-        layer_input_scales: cute.Pointer,
-    ) -> Boolean:  # fmt: skip
+        self,
+        turn: TokenTurn,
+        inputs: TokenInputs,
+        place: ThreadPlace,
+        direct: DirectX,
+        scratch: ClusterScratch,
+        outputs: TokenOutputs,
+        eps: Float32,
+        mailbox: protocol.MailboxView,
+        stage_state: cute.Tensor,
+        spin: protocol.SpinBound,
+        poisoned: Boolean,
+    ) -> Boolean:
         """One token from its inputs in registers (streams, mixes; x read directly or staged, or
         polled): post-mix, stores, collapse, re-arm, the cluster's sum of squares, the normalized
         layer input. Returns whether the op is poisoned."""
@@ -282,6 +380,15 @@ class LamportMHCKernel(DeviceKernel):
         hc, tp, lanes, hidden, trips, groups = (
             config.hc, config.tp, config.rank_lanes, config.hidden, config.trips, config.groups_per_cta
         )  # fmt: skip
+        # Unpacked once into the names the body reads (a field read emits nothing).
+        token, iteration, buffer, clusters, m = turn.token, turn.iteration, turn.buffer, turn.clusters, turn.m
+        stream_words, post_mix = inputs.stream_words, inputs.post_mix
+        pre_mix, comb_mix = inputs.pre_mix, inputs.comb_mix
+        tidx, cluster_rank, lane, leader = place.tidx, place.cluster_rank, place.lane, place.leader
+        group, base_fragment = place.group, place.base_fragment
+        x, from_x, x_stage = direct.x, direct.from_x, direct.staged
+        residual_out, layer_input = outputs.residual_out, outputs.layer_input
+        stage = mailbox.stage
 
         first_thread = (token == 0) & (cluster_rank == 0) & (tidx == 0)
         prenorm_words = cute.make_rmem_tensor(cute.make_layout((trips, 4), stride=(4, 1)), Uint32)
@@ -309,10 +416,14 @@ class LamportMHCKernel(DeviceKernel):
                 # The grid's first thread also checks every rank's M (trip 0, spin bound on;
                 # ``mhc_core.device.protocol``).
                 poisoned = protocol.poll_and_sum(
-                    total, mailbox_base, stage, token, fragment, lane, active, tp, lanes, capacity, hidden,
-                    spin_limit_ns, error_flag, state, poisoned, tp > 1 and trip == 0,
-                    first_thread & (spin_limit_ns > Int64(0)), m,
-                )  # fmt: skip
+                    total,
+                    mailbox,
+                    protocol.Slots(token, token, fragment),
+                    protocol.RankLane(lane, lanes, active),
+                    spin,
+                    poisoned,
+                    protocol.TokenCountCheck(tp > 1 and trip == 0, first_thread & (spin.limit_ns > Int64(0)), m),
+                )
             if active & leader:
                 # The all-reduced sublayer output is BF16, as the unfused collective returns it.
                 reduced = total.load().to(BFloat16).to(Float32)
@@ -344,9 +455,10 @@ class LamportMHCKernel(DeviceKernel):
         for trip in cutlass.range_constexpr(trips):
             fragment = base_fragment + trip * config.fragment_stride
             protocol.rearm_slots(
-                mailbox_base, stage, token, token, fragment, lane, (fragment < config.fragments) & healthy, 1,
-                tp, lanes, capacity, hidden,
-            )  # fmt: skip
+                mailbox,
+                protocol.Slots(token, token, fragment),
+                protocol.RankLane(lane, lanes, (fragment < config.fragments) & healthy),
+            )
 
         squares = cute.make_rmem_tensor(cute.make_layout((1,)), Float32)
         squares[0] = Float32(0.0)
@@ -359,21 +471,18 @@ class LamportMHCKernel(DeviceKernel):
                 )
         # Each token's peer sums go to its buffer's slots: a peer already on the next token
         # cannot overwrite what this CTA still reads.
-        sums = cluster_sums + (iteration % 2) * config.cluster_size
-        reduce.block_to_cluster(squares, 1, warp_sums, sums, cluster_rank, config.threads, config.cluster_size)
+        sums = scratch.cluster_sums + (iteration % 2) * config.cluster_size
+        reduce.block_to_cluster(squares, 1, scratch.warp_sums, sums, cluster_rank, config.threads, config.cluster_size)
         sum_squares = reduce.cluster_total(sums, 0, 1, config.cluster_size)
         inv_rms = cute.math.rsqrt(sum_squares / Float32(hidden) + eps, fastmath=True)
         if cutlass.const_expr(config.quantizes):
-            self.store_quantized_layer_input(
-                token, m, prenorm_words, gamma_words, inv_rms, layer_input, layer_input_q, layer_input_scales,
-                tidx, cluster_rank, leader, base_fragment,
-            )  # fmt: skip
+            self.store_quantized_layer_input(token, m, prenorm_words, inputs.gamma_words, inv_rms, outputs, place)
         else:
             for trip in cutlass.range_constexpr(trips):
                 fragment = base_fragment + trip * config.fragment_stride
                 if (fragment < config.fragments) & leader:
                     prenorm = ptx.words_to_f32x8(prenorm_words[trip, None].load())
-                    weight = ptx.words_to_f32x8(gamma_words[trip, None].load())
+                    weight = ptx.words_to_f32x8(inputs.gamma_words[trip, None].load())
                     element = Int64(token) * hidden + Int64(fragment) * VEC_BF16
                     ptx.store_u32x4(layer_input.toint() + element * 2, ptx.f32x8_to_words(prenorm * inv_rms * weight))
         return poisoned
@@ -381,8 +490,7 @@ class LamportMHCKernel(DeviceKernel):
     @cute.jit
     def store_quantized_layer_input(
         self, token: Int32, m: Int32, prenorm_words: cute.Tensor, gamma_words: cute.Tensor, inv_rms: Float32,
-        layer_input: cute.Pointer, layer_input_q: cute.Pointer, layer_input_scales: cute.Pointer, tidx: Int32,
-        cluster_rank: Int32, leader: Boolean, base_fragment: Int32,
+        outputs: TokenOutputs, place: ThreadPlace,
     ) -> None:  # fmt: skip
         """The token's normalized layer input as FP8 E4M3 with one scale per group (and in BF16 too
         with ``layer_input_bf16``), rounded as ``mhc_core.fp8.quantize`` rounds the BF16 values.
@@ -396,6 +504,9 @@ class LamportMHCKernel(DeviceKernel):
         """
         config = self.config
         hidden, layout, groups = config.hidden, config.scale_layout, config.scale_groups
+        layer_input = outputs.layer_input
+        layer_input_q, layer_input_scales = outputs.layer_input_q, outputs.layer_input_scales
+        tidx, cluster_rank, leader, base_fragment = place.tidx, place.cluster_rank, place.leader, place.base_fragment
         fragments_per_group = config.fp8_group // VEC_BF16
         steps = fragments_per_group.bit_length() - 1  # log2: a group is 4 or 16 fragments
         scales = layer_input_scales.toint()
@@ -434,31 +545,24 @@ class LamportMHCKernel(DeviceKernel):
     def stage_token(
         self,
         buffer: Int32,
-        stream_stage: cute.Pointer,
-        x_stage: cute.Pointer,
-        mix_stage: cute.Pointer,
-        residual: cute.Pointer,
-        post: cute.Pointer,
-        comb: cute.Pointer,
-        pre: cute.Pointer,
-        x: cute.Pointer,
+        staging: StagingBuffers,
+        sources: TokenSources,
         from_x: Boolean,
         token: Int32,
         m: Int32,
-        base_fragment: Int32,
-        group: Int32,
-        leader: Boolean,
+        place: ThreadPlace,
     ):
         """Start copying ``token``'s inputs into staging buffer ``buffer`` and commit them as one
         group (an empty one past the last token, so that every token has its group)."""
         config = self.config
+        base_fragment, group, leader = place.base_fragment, place.group, place.leader
         if token < m:
             self.stage_inputs(
-                stream_stage + buffer * config.staged_stream_words, mix_stage + buffer * config.staged_mixes,
-                residual, post, comb, pre, token, base_fragment, group, leader,
+                staging.streams + buffer * config.staged_stream_words, staging.mixes + buffer * config.staged_mixes,
+                sources.residual, sources.post, sources.comb, sources.pre, token, base_fragment, group, leader,
             )  # fmt: skip
             if from_x:
-                self.stage_x(x_stage + buffer * config.staged_x_words, x, token, base_fragment, group, leader)
+                self.stage_x(staging.x + buffer * config.staged_x_words, sources.x, token, base_fragment, group, leader)
         cute.arch.cp_async_commit_group()
 
     @cute.jit

@@ -359,14 +359,19 @@ class BoundaryKernel(DeviceKernel):
             mailbox_base = args.mailbox.iterator.toint()
             counter = stages.counts_tokens(token, cluster_rank, tidx, args.spin_limit_ns)
             poisoned = protocol.poll_and_sum(
-                reduced, mailbox_base, stage, token, fragment, lane, True, tp, HC, args.capacity, hidden,
-                args.spin_limit_ns, args.error_flag, args.stage_state.iterator.toint(), poisoned, tp > 1, counter,
-                args.m,
-            )  # fmt: skip
+                reduced,
+                protocol.MailboxView(mailbox_base, stage, tp, args.capacity, hidden),
+                protocol.Slots(token, token, fragment),
+                protocol.RankLane(lane, HC, True),
+                protocol.SpinBound(args.spin_limit_ns, args.error_flag, args.stage_state.iterator.toint()),
+                poisoned,
+                protocol.TokenCountCheck(tp > 1, counter, args.m),
+            )
             protocol.rearm_slots(
-                mailbox_base, stage, token, token, fragment, lane, poisoned == Boolean(False), 1, tp, HC, args.capacity,
-                hidden,
-            )  # fmt: skip
+                protocol.MailboxView(mailbox_base, stage, tp, args.capacity, hidden),
+                protocol.Slots(token, token, fragment),
+                protocol.RankLane(lane, HC, poisoned == Boolean(False)),
+            )
         cute.arch.griddepcontrol_launch_dependents()
 
         # The all-reduced sublayer output is BF16, as the collective returns it.

@@ -114,10 +114,14 @@ class GroupBoundaryKernel(BoundaryKernel):
             mailbox_base = args.mailbox.iterator.toint()
             counter = stages.counts_tokens(group, cluster_rank, tidx, args.spin_limit_ns)
             poisoned = protocol.poll_slots(
-                kept, mailbox_base, stage, first, last, fragment, lane, True, tokens, tp, HC, args.capacity, hidden,
-                args.spin_limit_ns, args.error_flag, args.stage_state.iterator.toint(), poisoned, 1, 0, tp > 1, counter,
-                args.m,
-            )  # fmt: skip
+                kept,
+                protocol.MailboxView(mailbox_base, stage, tp, args.capacity, hidden),
+                protocol.Slots(first, last, fragment, tokens),
+                protocol.RankLane(lane, HC, True),
+                protocol.SpinBound(args.spin_limit_ns, args.error_flag, args.stage_state.iterator.toint()),
+                poisoned,
+                protocol.TokenCountCheck(tp > 1, counter, args.m),
+            )
             # Lanes leave the poll at different times; the shuffles below need the warp converged.
             cute.arch.sync_warp()
             reduced = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
@@ -127,9 +131,10 @@ class GroupBoundaryKernel(BoundaryKernel):
                 # The all-reduced sublayer output is BF16, as the collective returns it.
                 kept[t, 0, None].store(ptx.f32x8_to_words(reduced.load()))
             protocol.rearm_slots(
-                mailbox_base, stage, first, last, fragment, lane, poisoned == Boolean(False), tokens, tp, HC,
-                args.capacity, hidden,
-            )  # fmt: skip
+                protocol.MailboxView(mailbox_base, stage, tp, args.capacity, hidden),
+                protocol.Slots(first, last, fragment, tokens),
+                protocol.RankLane(lane, HC, poisoned == Boolean(False)),
+            )
         cute.arch.griddepcontrol_launch_dependents()
 
         # Per token: the post-mix (kept: stream ``lane`` from here), the GEMV, and the warp's sums

@@ -55,6 +55,8 @@ groups of 8 tokens in a loop per cluster.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, Int64, Uint32
@@ -90,6 +92,25 @@ TOKENS_PER_HALF = WARP_SIZE // HC
 N_TILES = MIX // 8
 #: Fragments each lane owns outside the MMA: ``q`` (``q + 4``, ... with more fragments per warp).
 LANE_FRAGMENTS = FRAGMENTS_PER_WARP // HC
+
+
+@dataclass(frozen=True)
+class LanePlace:
+    """Where a thread of the tensor-core kernels sits, fixed for the launch: its CTA's rank in the
+    cluster, its thread index, warp and lane in the warp, the warp's first fragment in the CTA
+    (``local``) and in the hidden dimension (``first_fragment``), and its lane group's token ``g``
+    and its stream / rank lane ``q``. An argument bundle: a trace-time group (a field read emits
+    nothing, so the PTX is what the separate arguments gave), frozen so that the DSL passes it
+    into a dynamic region read-only."""
+
+    cluster_rank: Int32
+    tidx: Int32
+    warp: Int32
+    lane_id: Int32
+    local: Int32
+    first_fragment: Int32
+    g: Int32
+    q: Int32
 
 
 @cute.jit
@@ -202,7 +223,10 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
                 fn_stage.wait(staged_barrier)
             squares[h] = self.post_mix_half(kept[h], staged, mix_inputs + t * MIX_INPUTS, t, local, q, from_x, poisoned)
         self.gemv_to_cluster(staged, fn_staged, fn_barrier, sums, squares, warp, local, g, q)
-        self.epilogue(args, staged, sums, gamma_words, first, last, warp, lane_id, local, first_fragment, g, q, store)
+        self.epilogue(
+            args, staged, sums, gamma_words, first, last,
+            LanePlace(cluster_rank, tidx, warp, lane_id, local, first_fragment, g, q), store,
+        )  # fmt: skip
         stages.finish(
             tidx, args.stage_state, args.arrivals, stage, stages.group_count(args.m, tokens), cluster_rank, polled,
             poisoned,
@@ -285,16 +309,20 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         """One thread polls every rank of its fragments of ``token`` (fragment step 4, rank lanes 1)
         and re-arms them; returns whether the op is poisoned."""
         config = self.config
+        mailbox = protocol.MailboxView(mailbox_base, stage, config.tp, args.capacity, config.hidden)
+        # The lane's fragments of one token: ``fragment``, ``fragment + HC``, ...
+        slots = protocol.Slots(token, token, fragment, LANE_FRAGMENTS, token_step=0, fragment_step=HC)
         half_poisoned = protocol.poll_slots(
-            kept, mailbox_base, stage, token, token, fragment, Int32(0), active, LANE_FRAGMENTS, config.tp, 1,
-            args.capacity, config.hidden, args.spin_limit_ns, args.error_flag, args.stage_state.iterator.toint(),
-            poisoned, 0, HC, counts, counter, args.m,
-        )  # fmt: skip
+            kept,
+            mailbox,
+            slots,
+            protocol.RankLane(Int32(0), 1, active),
+            protocol.SpinBound(args.spin_limit_ns, args.error_flag, args.stage_state.iterator.toint()),
+            poisoned,
+            protocol.TokenCountCheck(counts, counter, args.m),
+        )
         poisoned = poisoned | half_poisoned
-        protocol.rearm_slots(
-            mailbox_base, stage, token, token, fragment, Int32(0), active & (half_poisoned == Boolean(False)),
-            LANE_FRAGMENTS, config.tp, 1, args.capacity, config.hidden, 0, HC,
-        )  # fmt: skip
+        protocol.rearm_slots(mailbox, slots, protocol.RankLane(Int32(0), 1, active & (half_poisoned == Boolean(False))))
         return poisoned
 
     @cute.jit
@@ -394,18 +422,18 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
     @cute.jit
     def epilogue(
         self, args: BoundaryArgs, staged: cute.Pointer, sums: stages.ClusterSums, gamma_words: cute.Tensor,
-        first: Int32, last: Int32, warp: Int32, lane_id: Int32, local: Int32, first_fragment: Int32, g: Int32,
-        q: Int32, store: Fp8Store | None = None,
+        first: Int32, last: Int32, place: LanePlace, store: Fp8Store | None = None,
     ):  # fmt: skip
         """The raw mixes handed off, the PDL wait, then per token ``residual_out`` from ``staged``, the
         collapse, the cluster's sum of squares and the normalised layer input."""
         config = self.config
+        warp, lane_id, first_fragment, g, q = place.warp, place.lane_id, place.first_fragment, place.g, place.q
         halves = config.tokens // TOKENS_PER_HALF
         self.write_raw_mixes(args, sums, first, last, warp, lane_id)
         prenorm = cute.make_rmem_tensor(
             cute.make_layout((halves, LANE_FRAGMENTS, 4), stride=(LANE_FRAGMENTS * 4, 4, 1)), Uint32
         )
-        self.collapse(args, staged, sums, first, last, warp, local, g, q, prenorm, None, first_fragment)
+        self.collapse(args, staged, sums, first, last, place, prenorm, None)
         sums.squares_to_cluster()
         self.store_layer_input(args, sums, prenorm, gamma_words, first, last, first_fragment, g, q, store, warp)
 
@@ -426,12 +454,13 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
     @cute.jit
     def collapse(
         self, args: BoundaryArgs, staged: cute.Pointer, sums: stages.ClusterSums, first: Int32, last: Int32,
-        warp: Int32, local: Int32, g: Int32, q: Int32, prenorm: cute.Tensor, held, first_fragment: Int32 = 0,
+        place: LanePlace, prenorm: cute.Tensor, held,
     ):  # fmt: skip
         """After the PDL wait: per token the streams from ``staged`` (stored into ``residual_out``, or
         kept in ``held`` for ``store_held``), collapsed with the pre weights from ``sums.totals`` into
         ``prenorm``, the warps' sums of squares into ``sums.warp_squares``."""
         config = self.config
+        warp, local, g, q, first_fragment = place.warp, place.local, place.g, place.q, place.first_fragment
         hidden, tokens, fragments = config.hidden, config.tokens, config.groups_per_cta
         halves = tokens // TOKENS_PER_HALF
         cute.arch.griddepcontrol_wait()

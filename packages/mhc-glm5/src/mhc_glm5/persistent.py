@@ -29,6 +29,8 @@ after the next front's CTA barrier.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, Int64, Uint32
@@ -48,7 +50,45 @@ from .config import (
     persistent_shared_bytes,
 )
 from .fp8_store import Fp8Outputs
-from .grouped_mma import FRAGMENTS_PER_WARP, LANE_FRAGMENTS, MmaGroupBoundaryKernel
+from .grouped_mma import FRAGMENTS_PER_WARP, LANE_FRAGMENTS, LanePlace, MmaGroupBoundaryKernel
+
+
+# Argument bundles of ``front`` (``LanePlace`` too): trace-time groups, frozen so that the DSL
+# passes them into a dynamic region read-only; a field read emits nothing, so the PTX is what the
+# separate arguments gave. ``GroupTurn`` and ``FrontRegisters`` are built in each call.
+@dataclass(frozen=True)
+class GroupTurn:
+    """The group a front works on: the cluster's ``iteration`` (its ``iteration``-th group), the
+    group's index, the grid's ``clusters`` (the loop's stride), the ``groups`` of the launch and the
+    ``last`` token."""
+
+    iteration: Int32
+    group: Int32
+    clusters: Int32
+    groups: Int32
+    last: Int32
+
+
+@dataclass(frozen=True)
+class PersistentStaging:
+    """The CTA's shared staging: the stream buffers and their barriers (``PERSISTENT_BUFFERS``), the
+    mix-input buffers (``PERSISTENT_MIX_BUFFERS``), and the staged ``fn`` slice with its barrier."""
+
+    stream_buffers: cute.Pointer
+    stream_barriers: cute.Pointer
+    mix_buffers: cute.Pointer
+    fn_staged: cute.Pointer
+    fn_barrier: cute.Pointer
+
+
+@dataclass(frozen=True)
+class FrontRegisters:
+    """A front's registers: ``kept``, the lane's polled (or read) words of the group; ``ahead``, the
+    next group's x (a direct read); ``squares``, the post-mixed streams' sum of squares."""
+
+    kept: cute.Tensor
+    ahead: cute.Tensor
+    squares: cute.Tensor
 
 
 class PersistentBoundaryKernel(MmaGroupBoundaryKernel):
@@ -133,11 +173,12 @@ class PersistentBoundaryKernel(MmaGroupBoundaryKernel):
         )
         held = cute.make_rmem_tensor(cute.make_layout((LANE_FRAGMENTS, HC, 4), stride=(HC * 4, 4, 1)), Uint32)
 
+        staging = PersistentStaging(staged_buffers, staged_barriers, mix_buffers, fn_staged, fn_barrier)
+        place = LanePlace(cluster_rank, tidx, warp, lane_id, local, first_fragment, g, q)
         # Group 0 of this cluster: its values alone.
         poisoned = self.front(
-            args, Int32(0), first_group, clusters, groups, last, staged_buffers, staged_barriers, mix_buffers,
-            fn_staged, fn_barrier, sums.half(Int32(0), Int32(1)), kept, ahead, squares, mailbox_base, stage,
-            poisoned, from_x, first_fragment, cluster_rank, tidx, warp, local, g, q,
+            args, GroupTurn(Int32(0), first_group, clusters, groups, last), staging, sums.half(Int32(0), Int32(1)),
+            FrontRegisters(kept, ahead, squares), mailbox_base, stage, poisoned, from_x, place,
         )  # fmt: skip
         cute.arch.barrier()
         sums.send_values()
@@ -150,15 +191,14 @@ class PersistentBoundaryKernel(MmaGroupBoundaryKernel):
         for group in range(first_group + clusters, groups, clusters):
             halves = sums.half(iteration % 2, (iteration + 1) % 2)
             poisoned = self.front(
-                args, iteration, group, clusters, groups, last, staged_buffers, staged_barriers, mix_buffers,
-                fn_staged, fn_barrier, halves, kept, ahead, squares, mailbox_base, stage, poisoned, from_x,
-                first_fragment, cluster_rank, tidx, warp, local, g, q,
+                args, GroupTurn(iteration, group, clusters, groups, last), staging, halves,
+                FrontRegisters(kept, ahead, squares), mailbox_base, stage, poisoned, from_x, place,
             )  # fmt: skip
             # The group before: collapsed from its buffer, which the next front's bulk copies overwrite
             # (its next phase armed now: every thread waited on the last one in that group's front).
             freed = (iteration + PERSISTENT_BUFFERS - 1) % PERSISTENT_BUFFERS
             before = self.buffer(staged_buffers, freed)
-            self.collapse(args, before, halves, previous, last, warp, local, g, q, prenorm, held)
+            self.collapse(args, before, halves, previous, last, place, prenorm, held)
             fn_stage.expect(staged_barriers + freed, self.stream_bytes)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier()
@@ -177,7 +217,7 @@ class PersistentBoundaryKernel(MmaGroupBoundaryKernel):
         # The last group: its squares alone.
         final = sums.half(iteration % 2, (iteration + 1) % 2)
         before = self.buffer(staged_buffers, iteration + PERSISTENT_BUFFERS - 1)
-        self.collapse(args, before, final, previous, last, warp, local, g, q, prenorm, held)
+        self.collapse(args, before, final, previous, last, place, prenorm, held)
         cute.arch.barrier()
         final.send_squares()
         cute.arch.cluster_arrive()
@@ -192,17 +232,21 @@ class PersistentBoundaryKernel(MmaGroupBoundaryKernel):
 
     @cute.jit
     def front(
-        self, args: BoundaryArgs, iteration: Int32, group: Int32, clusters: Int32, groups: Int32, last: Int32,
-        staged_buffers: cute.Pointer, staged_barriers: cute.Pointer, mix_buffers: cute.Pointer,
-        fn_staged: cute.Pointer, fn_barrier: cute.Pointer, sums: stages.ClusterSums, kept: cute.Tensor,
-        ahead: cute.Tensor, squares: cute.Tensor, mailbox_base: Int64, stage: Uint32, poisoned: Boolean,
-        from_x: Boolean, first_fragment: Int32, cluster_rank: Int32, tidx: Int32, warp: Int32, local: Int32,
-        g: Int32, q: Int32,
+        self, args: BoundaryArgs, turn: GroupTurn, staging: PersistentStaging, sums: stages.ClusterSums,
+        registers: FrontRegisters, mailbox_base: Int64, stage: Uint32, poisoned: Boolean, from_x: Boolean,
+        place: LanePlace,
     ) -> Boolean:  # fmt: skip
-        """The persistent loop's work on group ``iteration`` of this cluster up to its warps' sums:
+        """The persistent loop's work on group ``turn.iteration`` of this cluster up to its warps' sums:
         the next group's copies started, x (one group ahead) or the poll, this group's inputs waited
         for, the post-mix and the GEMV. Returns whether the op is poisoned."""
         config = self.config
+        # Unpacked once into the names the body reads (a field read emits nothing).
+        iteration, group, clusters, groups, last = turn.iteration, turn.group, turn.clusters, turn.groups, turn.last
+        staged_buffers, staged_barriers = staging.stream_buffers, staging.stream_barriers
+        mix_buffers, fn_staged, fn_barrier = staging.mix_buffers, staging.fn_staged, staging.fn_barrier
+        kept, ahead, squares = registers.kept, registers.ahead, registers.squares
+        first_fragment, cluster_rank, tidx = place.first_fragment, place.cluster_rank, place.tidx
+        warp, local, g, q = place.warp, place.local, place.g, place.q
         tokens = config.tokens
         buffer = iteration % PERSISTENT_BUFFERS
         staged = self.buffer(staged_buffers, iteration)

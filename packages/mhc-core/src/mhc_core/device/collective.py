@@ -70,9 +70,14 @@ class CollectiveKernel(DeviceKernel):
         m, _, _ = cute.arch.grid_dim()
         total = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
         poisoned = protocol.poll_and_sum(
-            total, base, stage, token, fragment, lane, active, tp, lanes, capacity, hidden, spin_limit_ns, error_flag,
-            stage_state.iterator.toint(), poisoned, tp > 1, leader & (spin_limit_ns > Int64(0)), m,
-        )  # fmt: skip
+            total,
+            protocol.MailboxView(base, stage, tp, capacity, hidden),
+            protocol.Slots(token, token, fragment),
+            protocol.RankLane(lane, lanes, active),
+            protocol.SpinBound(spin_limit_ns, error_flag, stage_state.iterator.toint()),
+            poisoned,
+            protocol.TokenCountCheck(tp > 1, leader & (spin_limit_ns > Int64(0)), m),
+        )
         if active & (lane == 0):
             element = Int64(token) * hidden + Int64(fragment) * VEC_BF16
             ptx.store_u32x4(out.toint() + element * 2, ptx.f32x8_to_words(total.load()))
@@ -80,5 +85,7 @@ class CollectiveKernel(DeviceKernel):
         protocol.advance_stage(stage_state, stage, leader & healthy)
         cute.arch.griddepcontrol_launch_dependents()
         protocol.rearm_slots(
-            base, stage, token, token, fragment, lane, active & healthy, 1, tp, lanes, capacity, hidden
-        )  # fmt: skip
+            protocol.MailboxView(base, stage, tp, capacity, hidden),
+            protocol.Slots(token, token, fragment),
+            protocol.RankLane(lane, lanes, active & healthy),
+        )

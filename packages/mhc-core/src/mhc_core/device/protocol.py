@@ -33,6 +33,8 @@ of each collective polls every rank's entry beside its slots, compares, and re-a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, Int64, Uint32
@@ -260,51 +262,123 @@ def spin_clock(started: Int64, spin_limit_ns: Int64) -> tuple:
     return started, expired
 
 
+# ------------------------------------------------------------ argument bundles
+# Trace-time groups of a poll's arguments. Reading a field emits nothing, so a function that
+# takes a bundle traces exactly as it did with the separate values (``tools.compile_presets
+# --ptx-digest``). Frozen: the DSL passes a frozen dataclass into a dynamic region read-only
+# instead of carrying it. Build one in the call, or earlier from finished values only: an
+# expression evaluated for a field (``stage_state.iterator.toint()``) emits its operations where it
+# is written, and a bundle built before a dynamic loop holds the values from before it, not those
+# the loop carries.
+@dataclass(frozen=True)
+class MailboxView:
+    """One stage of this rank's mailbox: everything a slot's or header entry's address is
+    made of (``slot_address``, ``header_address``)."""
+
+    base: Int64  # this rank's mailbox
+    stage: Uint32
+    tp: int  # compile time
+    capacity: Int32
+    hidden: int  # compile time
+
+
+@dataclass(frozen=True)
+class Slots:
+    """Which slots a lane polls or re-arms: ``tokens`` (compile time) of them, slot ``t`` at fragment
+    ``fragment + t * fragment_step`` of token ``min(first_token + t * token_step, last_token)``:
+    several tokens at one fragment (the default steps), or one token's consecutive fragments
+    (``token_step=0, fragment_step=1``)."""
+
+    first_token: Int32
+    last_token: Int32
+    fragment: Int32
+    tokens: int = 1
+    token_step: int = 1
+    fragment_step: int = 0
+
+
+@dataclass(frozen=True)
+class RankLane:
+    """This thread's share of a poll: lane ``lane`` of ``lanes`` (compile time) polls ranks ``lane,
+    lane + lanes, ...``; an inactive thread polls nothing (its slots read as zero)."""
+
+    lane: Int32
+    lanes: int
+    active: Boolean
+
+
+@dataclass(frozen=True)
+class SpinBound:
+    """The bound on a poll's spin and where a failure is reported: ``limit_ns`` of the global timer
+    (0: spin for ever), the host-mapped ``error_flag`` words, and ``state``, the stage state's
+    address, whose error word poisons every later kernel of the op."""
+
+    limit_ns: Int64
+    error_flag: Int64
+    state: Int64
+
+
+@dataclass(frozen=True)
+class TokenCountCheck:
+    """The check that every rank published the same M (needs the spin bound on): ``counts`` (compile
+    time) turns it on for the kernel, ``counter`` picks the one thread that polls the header
+    entries and compares them with ``m``."""
+
+    counts: bool = False
+    counter: Boolean = False
+    m: Int32 = 0
+
+
+#: No token-count check (``poll_slots``' default).
+NO_COUNT_CHECK = TokenCountCheck()
+
+
+@cute.jit
+def slot_address(mailbox: MailboxView, rank: Int32, token: Int32, fragment: Int32) -> Int64:
+    """Address of a fragment of slot ``[mailbox.stage, rank, token]``."""
+    return mailbox.base + slot_bytes(mailbox.stage, rank, token, fragment, mailbox.tp, mailbox.capacity, mailbox.hidden)
+
+
+@cute.jit
+def header_address(mailbox: MailboxView, rank: Int32) -> Int64:
+    """Address of header entry ``[mailbox.stage, rank]``."""
+    return mailbox.base + header_bytes(mailbox.stage, rank, mailbox.tp, mailbox.capacity, mailbox.hidden)
+
+
 @cute.jit
 def poll_slots(
     kept: cute.Tensor,
-    mailbox: Int64,
-    stage: Uint32,
-    first_token: Int32,
-    last_token: Int32,
-    fragment: Int32,
-    lane: Int32,
-    active: Boolean,
-    tokens: cutlass.Constexpr[int],
-    tp: cutlass.Constexpr[int],
-    lanes: cutlass.Constexpr[int],
-    capacity: Int32,
-    hidden: cutlass.Constexpr[int],
-    spin_limit_ns: Int64,
-    error_flag: Int64,
-    state: Int64,
+    mailbox: MailboxView,
+    slots: Slots,
+    lane: RankLane,
+    spin: SpinBound,
     poisoned: Boolean,
-    token_step: cutlass.Constexpr[int] = 1,
-    fragment_step: cutlass.Constexpr[int] = 0,
-    counts: cutlass.Constexpr[bool] = False,
-    counter: Boolean = False,
-    m: Int32 = 0,
+    check: TokenCountCheck = NO_COUNT_CHECK,
 ) -> Boolean:
-    """Poll this lane's ranks for ``tokens`` slots until no -0 remains; return ``poisoned``.
+    """Poll this lane's ranks for ``slots.tokens`` slots until no -0 remains; return ``poisoned``.
 
-    ``kept[t, w, :]`` receives the 4 words of fragment ``fragment + t * fragment_step``
-    of token ``min(first + t * token_step, last)`` from rank ``w * lanes + lane``
-    (zeros where that rank does not exist or the thread is inactive): several
-    tokens at one fragment (the default), or one token's consecutive fragments
-    (``token_step=0, fragment_step=1``). ``poisoned`` is what the kernel's stage read found
-    (``read_state``): then nothing is polled. With ``spin_limit_ns > 0`` every empty round
-    reads the op's error word again (``state``: the stage state's address; another thread
-    may have failed) and the loop gives up after that many nanoseconds of the global timer,
-    records the ranks still missing in the host-mapped ``error_flag`` and sets the error
-    word: the kernel finishes instead of hanging, and every later kernel of the op is
-    poisoned. Poisoned, ``kept`` is filled with NaN and the result is True.
+    ``kept[t, w, :]`` receives the 4 words of slot ``t`` (``Slots``) from rank ``w * lanes + lane``
+    (zeros where that rank does not exist or the thread is inactive). ``poisoned`` is what the
+    kernel's stage read found (``read_state``): then nothing is polled. With ``spin.limit_ns > 0``
+    every empty round reads the op's error word again (``spin.state``; another thread may have
+    failed) and the loop gives up after that many nanoseconds of the global timer, records the
+    ranks still missing in the host-mapped ``spin.error_flag`` and sets the error word: the kernel
+    finishes instead of hanging, and every later kernel of the op is poisoned. Poisoned, ``kept`` is
+    filled with NaN and the result is True.
 
-    ``counts`` (compile time) with ``counter`` set on one thread: that thread also polls every
-    rank's header entry of this stage, compares the M it holds with ``m``, reports a mismatch
-    (``ERROR_TOKEN_COUNT``: the peers' M per rank) and re-arms the entries.
+    ``check.counts`` (compile time) with ``check.counter`` set on one thread: that thread also polls
+    every rank's header entry of this stage, compares the M it holds with ``check.m``, reports a
+    mismatch (``ERROR_TOKEN_COUNT``: the peers' M per rank) and re-arms the entries.
     """
+    # Unpacked once: the names every use below had as parameters (a field read emits nothing).
+    tp = mailbox.tp
+    first_token, last_token, fragment = slots.first_token, slots.last_token, slots.fragment
+    tokens, token_step, fragment_step = slots.tokens, slots.token_step, slots.fragment_step
+    lanes, active = lane.lanes, lane.active
+    spin_limit_ns, state = spin.limit_ns, spin.state
+    counts = check.counts
     waves = rank_waves(tp, lanes)
-    counter = Boolean(counter)
+    counter = Boolean(check.counter)
     kept.fill(Uint32(0))
     poisoned = Boolean(poisoned)
     dirty = active & (poisoned == Boolean(False))
@@ -319,21 +393,19 @@ def poll_slots(
         for t in cutlass.range_constexpr(tokens):
             token = cutlass.min(first_token + t * token_step, last_token)
             for wave in cutlass.range_constexpr(waves):
-                source = lane + wave * lanes
+                source = lane.lane + wave * lanes
                 polls = source < tp
                 if cutlass.const_expr(counts):
                     polls = polls & active  # only the counter thread loops without a slot of its own
                 if polls:
-                    words = ptx.load_volatile_u32x4(
-                        mailbox + slot_bytes(stage, source, token, fragment + t * fragment_step, tp, capacity, hidden)
-                    )
+                    words = ptx.load_volatile_u32x4(slot_address(mailbox, source, token, fragment + t * fragment_step))
                     dirty = dirty | ptx.has_negative_zero(words)
                     kept[t, wave, None].store(words)
         if cutlass.const_expr(counts):  # noqa: SIM102 (a compile-time branch stands alone in the DSL)
             if counted == Boolean(False):
                 arrived = Boolean(True)
                 for rank in cutlass.range_constexpr(tp):
-                    words = ptx.load_volatile_u32x4(mailbox + header_bytes(stage, Int32(rank), tp, capacity, hidden))
+                    words = ptx.load_volatile_u32x4(header_address(mailbox, Int32(rank)))
                     arrived = arrived & (ptx.has_negative_zero(words) == Boolean(False))
                     seen[rank] = ptx.element(words, 0)
                 counted = arrived
@@ -343,68 +415,50 @@ def poll_slots(
             poisoned = is_poisoned(state)
             started, expired = spin_clock(started, spin_limit_ns)
             if expired:
-                _report_timeout(kept, stage, first_token, fragment, lane, tokens, tp, lanes, error_flag)
+                _report_timeout(kept, mailbox, slots, lane, spin)
                 set_error(state, ERROR_SPIN_TIMEOUT)
                 poisoned = Boolean(True)
             dirty = dirty & (poisoned == Boolean(False))
     if cutlass.const_expr(counts):  # noqa: SIM102 (a compile-time branch stands alone in the DSL)
         if counter & counted & (poisoned == Boolean(False)):
-            _check_counts(seen, mailbox, stage, m, tp, capacity, hidden, error_flag, state)
+            _check_counts(seen, mailbox, check.m, spin)
     if poisoned:
         kept.fill(Uint32(NAN_BF16_PAIR))
     return poisoned
 
 
 @cute.jit
-def _check_counts(
-    seen: cute.Tensor,
-    mailbox: Int64,
-    stage: Uint32,
-    m: Int32,
-    tp: cutlass.Constexpr[int],
-    capacity: Int32,
-    hidden: cutlass.Constexpr[int],
-    error_flag: Int64,
-    state: Int64,
-) -> None:
+def _check_counts(seen: cute.Tensor, mailbox: MailboxView, m: Int32, spin: SpinBound) -> None:
     """Compare every rank's published M (``seen``, header words) with ``m``; re-arm the entries.
     A mismatch records each differing rank's M in its rank word, then this M and the code."""
+    error_flag = spin.error_flag
     mismatch = Boolean(False)
-    for rank in cutlass.range_constexpr(tp):
-        ptx.store_sentinel_u32x4(mailbox + header_bytes(stage, Int32(rank), tp, capacity, hidden))
+    for rank in cutlass.range_constexpr(mailbox.tp):
+        ptx.store_sentinel_u32x4(header_address(mailbox, Int32(rank)))
         peer_m = seen[rank] >> Uint32(1)
         if peer_m != Uint32(m):
             ptx.store_system_u32(error_flag + Int64(ERROR_RANKS * 4) + Int64(rank * 4), peer_m)
             mismatch = Boolean(True)
     if mismatch:
-        ptx.store_system_u32(error_flag + Int64(ERROR_STAGE * 4), stage)
+        ptx.store_system_u32(error_flag + Int64(ERROR_STAGE * 4), mailbox.stage)
         ptx.store_system_u32(error_flag + Int64(ERROR_TOKEN * 4), Uint32(m))
         ptx.store_system_u32(error_flag + Int64(ERROR_CODE * 4), Uint32(ERROR_TOKEN_COUNT))
-        set_error(state, ERROR_TOKEN_COUNT)
+        set_error(spin.state, ERROR_TOKEN_COUNT)
 
 
 @cute.jit
-def _report_timeout(
-    kept: cute.Tensor,
-    stage: Uint32,
-    token: Int32,
-    fragment: Int32,
-    lane: Int32,
-    tokens: cutlass.Constexpr[int],
-    tp: cutlass.Constexpr[int],
-    lanes: cutlass.Constexpr[int],
-    error_flag: Int64,
-) -> None:
-    """Mark every rank whose slot still holds -0, then the stage, token and code."""
-    for t in cutlass.range_constexpr(tokens):
-        for wave in cutlass.range_constexpr(rank_waves(tp, lanes)):
-            source = lane + wave * lanes
-            if source < tp:  # noqa: SIM102 (a rank that does not exist has no slot to inspect)
+def _report_timeout(kept: cute.Tensor, mailbox: MailboxView, slots: Slots, lane: RankLane, spin: SpinBound) -> None:
+    """Mark every rank whose slot still holds -0, then the stage, (first) token, fragment and code."""
+    error_flag = spin.error_flag
+    for t in cutlass.range_constexpr(slots.tokens):
+        for wave in cutlass.range_constexpr(rank_waves(mailbox.tp, lane.lanes)):
+            source = lane.lane + wave * lane.lanes
+            if source < mailbox.tp:  # noqa: SIM102 (a rank that does not exist has no slot to inspect)
                 if ptx.has_negative_zero(kept[t, wave, None].load()):
                     ptx.store_system_u32(error_flag + Int64(ERROR_RANKS * 4) + Int64(source) * 4, Uint32(1))
-    ptx.store_system_u32(error_flag + Int64(ERROR_STAGE * 4), stage)
-    ptx.store_system_u32(error_flag + Int64(ERROR_TOKEN * 4), Uint32(token))
-    ptx.store_system_u32(error_flag + Int64(ERROR_DETAIL * 4), Uint32(fragment))
+    ptx.store_system_u32(error_flag + Int64(ERROR_STAGE * 4), mailbox.stage)
+    ptx.store_system_u32(error_flag + Int64(ERROR_TOKEN * 4), Uint32(slots.first_token))
+    ptx.store_system_u32(error_flag + Int64(ERROR_DETAIL * 4), Uint32(slots.fragment))
     ptx.store_system_u32(error_flag + Int64(ERROR_CODE * 4), Uint32(ERROR_SPIN_TIMEOUT))
 
 
@@ -460,63 +514,35 @@ def sum_over_lanes(values: cute.Tensor, lanes: cutlass.Constexpr[int]) -> None:
 @cute.jit
 def poll_and_sum(
     total: cute.Tensor,
-    mailbox: Int64,
-    stage: Uint32,
-    token: Int32,
-    fragment: Int32,
-    lane: Int32,
-    active: Boolean,
-    tp: cutlass.Constexpr[int],
-    lanes: cutlass.Constexpr[int],
-    capacity: Int32,
-    hidden: cutlass.Constexpr[int],
-    spin_limit_ns: Int64,
-    error_flag: Int64,
-    state: Int64,
+    mailbox: MailboxView,
+    slots: Slots,
+    lane: RankLane,
+    spin: SpinBound,
     poisoned: Boolean,
-    counts: cutlass.Constexpr[bool] = False,
-    counter: Boolean = False,
-    m: Int32 = 0,
+    check: TokenCountCheck = NO_COUNT_CHECK,
 ) -> Boolean:
     """One token's fragment from every rank, summed: ``total`` (8 FP32) holds the tree sum in
-    every lane of the group (``poll_slots``, then the lanes' sums, then the butterfly; NaN
-    and True returned when poisoned)."""
-    waves = rank_waves(tp, lanes)
+    every lane of the group (``poll_slots`` of one slot, then the lanes' sums, then the butterfly;
+    NaN and True returned when poisoned)."""
+    waves = rank_waves(mailbox.tp, lane.lanes)
     kept = cute.make_rmem_tensor(cute.make_layout((1, waves, 4), stride=(waves * 4, 4, 1)), Uint32)
-    poisoned = poll_slots(
-        kept, mailbox, stage, token, token, fragment, lane, active, 1, tp, lanes, capacity, hidden,
-        spin_limit_ns, error_flag, state, poisoned, 1, 0, counts, counter, m,
-    )  # fmt: skip
+    poisoned = poll_slots(kept, mailbox, slots, lane, spin, poisoned, check)
     # Lanes leave the poll at different times; the butterfly needs the warp converged.
     cute.arch.sync_warp()
     total.store(lane_sum(kept, 0, waves))
-    sum_over_lanes(total, lanes)
+    sum_over_lanes(total, lane.lanes)
     return poisoned
 
 
 @cute.jit
-def rearm_slots(
-    mailbox: Int64,
-    stage: Uint32,
-    first_token: Int32,
-    last_token: Int32,
-    fragment: Int32,
-    lane: Int32,
-    active: Boolean,
-    tokens: cutlass.Constexpr[int],
-    tp: cutlass.Constexpr[int],
-    lanes: cutlass.Constexpr[int],
-    capacity: Int32,
-    hidden: cutlass.Constexpr[int],
-    token_step: cutlass.Constexpr[int] = 1,
-    fragment_step: cutlass.Constexpr[int] = 0,
-) -> None:
-    """Write the -0 sentinel back into every slot this lane polled (same steps as ``poll_slots``)."""
-    if active:
-        for t in cutlass.range_constexpr(tokens):
-            token = cutlass.min(first_token + t * token_step, last_token)
-            for wave in cutlass.range_constexpr(rank_waves(tp, lanes)):
-                source = lane + wave * lanes
-                if source < tp:
-                    offset = slot_bytes(stage, source, token, fragment + t * fragment_step, tp, capacity, hidden)
-                    ptx.store_sentinel_u32x4(mailbox + offset)
+def rearm_slots(mailbox: MailboxView, slots: Slots, lane: RankLane) -> None:
+    """Write the -0 sentinel back into every slot this lane polled (``poll_slots``' slots)."""
+    if lane.active:
+        for t in cutlass.range_constexpr(slots.tokens):
+            token = cutlass.min(slots.first_token + t * slots.token_step, slots.last_token)
+            for wave in cutlass.range_constexpr(rank_waves(mailbox.tp, lane.lanes)):
+                source = lane.lane + wave * lane.lanes
+                if source < mailbox.tp:
+                    ptx.store_sentinel_u32x4(
+                        slot_address(mailbox, source, token, slots.fragment + t * slots.fragment_step)
+                    )
