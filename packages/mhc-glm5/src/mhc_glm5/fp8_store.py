@@ -178,7 +178,10 @@ class Fp8Store:
                 quant.store_group_scale(self.layout, self.scales, token, group, m, self.groups, code)
 
     @cute.jit
-    def store_padding(self, token: Int32, m: Int32, thread: Int32, threads: cutlass.Constexpr[int]) -> None:
+    def store_padding(
+        self, token: Int32, m: Int32, thread: Int32, threads: cutlass.Constexpr[int],
+        units: cutlass.Constexpr[bool] = True,
+    ) -> None:  # fmt: skip
         """The scale padding rows that fall to ``token``, shared by the cluster's ``threads`` threads
-        (``thread``: this one's index among them)."""
-        quant.store_padding_rows(self.layout, self.scales, token, m, thread, threads, self.groups)
+        (``thread``: this one's index among them); ``units``: ``quant.store_padding_rows``'."""
+        quant.store_padding_rows(self.layout, self.scales, token, m, thread, threads, self.groups, units)

@@ -552,6 +552,7 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
         threads = self.block_threads()
         for t in cutlass.range_constexpr(tokens):
             if first + t <= last:
+                # 4-byte padding stores: the 16-byte units' loop, unrolled per token, spills at 64 registers.
                 store.store_padding(
-                    first + t, args.m, sums.cluster_rank * threads + sums.tidx, config.cluster_size * threads
+                    first + t, args.m, sums.cluster_rank * threads + sums.tidx, config.cluster_size * threads, False
                 )

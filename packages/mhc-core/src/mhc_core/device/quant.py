@@ -234,21 +234,69 @@ def store_padding_rows(
     thread: Int32,
     threads: cutlass.Constexpr[int],
     groups: cutlass.Constexpr[int],
+    units: cutlass.Constexpr[bool] = True,
 ) -> None:
-    """Zero the scale words of padding rows ``m .. padded_rows(m) - 1`` that fall to ``token``.
+    """Zero the scale words of padding rows ``m .. padded_rows(m) - 1``, the share of ``token``.
 
-    Padding row ``m + j`` falls to token ``j % m``; the ``threads`` threads that handle ``token``
-    (``thread`` is this one's index among them, e.g. its rank in the cluster) share its rows' words,
-    one 4-byte store each: ``ceil(groups / 4)`` words per row. Nothing for ``row-major``.
+    The ``threads`` threads that handle ``token`` (``thread`` is this one's index among them, e.g.
+    its rank in the cluster) and those of every other token split the padding. ``swizzled-128x4``
+    zeroes whole 16-byte units (``_zero_swizzled_padding``) unless ``units`` is False: a kernel at its
+    register cap that unrolls this per token (the tensor-core GLM boundary) keeps one 4-byte store
+    per padding row and word, whose loop holds fewer values. Nothing for ``row-major``.
     """
-    if cutlass.const_expr(layout != ROW_MAJOR):
-        words_per_row = _ceil_div(groups, GROUPS_PER_WORD)
-        padding = padded_rows(layout, m) - m
-        rows = Int32(0)
-        if token < padding:
-            rows = (padding - token + m - Int32(1)) // m
-        for item in range(thread, rows * Int32(words_per_row), threads):
-            row = m + token + (item // Int32(words_per_row)) * m
-            word = item % Int32(words_per_row)
-            offset = scale_offset(layout, row, word * Int32(GROUPS_PER_WORD), m, groups)
-            ptx.store_u32(scales + offset, Uint32(0))
+    if cutlass.const_expr(layout == SWIZZLED_128X4 and units):
+        _zero_swizzled_padding(scales, token, m, thread, threads, groups)
+    elif cutlass.const_expr(layout != ROW_MAJOR):
+        _zero_padding_words(layout, scales, token, m, thread, threads, groups)
+
+
+@cute.jit
+def _zero_padding_words(
+    layout: cutlass.Constexpr[str], scales: Int64, token: Int32, m: Int32, thread: Int32,
+    threads: cutlass.Constexpr[int], groups: cutlass.Constexpr[int],
+) -> None:  # fmt: skip
+    """One 4-byte store per padding row and scale word (``mn-major-packed``: at most 3 rows).
+    Padding row ``m + j`` falls to token ``j % m``."""
+    words_per_row = _ceil_div(groups, GROUPS_PER_WORD)
+    padding = padded_rows(layout, m) - m
+    rows = Int32(0)
+    if token < padding:
+        rows = (padding - token + m - Int32(1)) // m
+    for item in range(thread, rows * Int32(words_per_row), threads):
+        row = m + token + (item // Int32(words_per_row)) * m
+        word = item % Int32(words_per_row)
+        offset = scale_offset(layout, row, word * Int32(GROUPS_PER_WORD), m, groups)
+        ptx.store_u32(scales + offset, Uint32(0))
+
+
+@cute.jit
+def _zero_swizzled_padding(
+    scales: Int64, token: Int32, m: Int32, thread: Int32, threads: cutlass.Constexpr[int],
+    groups: cutlass.Constexpr[int],
+) -> None:  # fmt: skip
+    """``swizzled-128x4``: the padding rows all lie in the last 128-row tile, which holds ``k``
+    real rows. In each of that tile's 4-group blocks, the 16 bytes at ``r * 16`` hold rows ``r``,
+    ``r + 32``, ``r + 64`` and ``r + 96`` (4 bytes each). A 16-byte unit whose rows are all padding
+    (``r >= k``) takes one 16-byte store; a unit that also holds real rows takes one 4-byte store per
+    padding row, so no store touches a byte another token writes. The units are spread over every
+    token's threads: at M = 1 (127 padding rows) that is about two stores per thread of a
+    640-thread cluster, where one 4-byte store per padding row and word took eight."""
+    blocks = _ceil_div(groups, GROUPS_PER_WORD)
+    tile_rows = Int32(SWIZZLE_TILE_ROWS)
+    last_tile = (m - Int32(1)) // tile_rows
+    real = m - last_tile * tile_rows  # k, in 1..128
+    quarter = Int32(SWIZZLE_ROW_PERIOD)
+    first = cutlass.max(real - Int32(SWIZZLE_TILE_ROWS - SWIZZLE_ROW_PERIOD), Int32(0))  # first r with padding
+    units = (quarter - first) * Int32(blocks)
+    tile = scales + Int64(last_tile) * (blocks * SWIZZLE_TILE_BYTES)
+    zeros = cute.make_rmem_tensor(cute.make_layout((4,)), Uint32)
+    zeros.fill(Uint32(0))
+    for item in range(token * Int32(threads) + thread, units, m * Int32(threads)):
+        r = first + item // Int32(blocks)
+        unit = tile + Int64(item % Int32(blocks)) * SWIZZLE_TILE_BYTES + Int64(r) * SWIZZLE_ROW_BYTES
+        if r >= real:
+            ptx.store_u32x4(unit, zeros.load())
+        else:
+            for part in cutlass.range_constexpr(1, SWIZZLE_TILE_ROWS // SWIZZLE_ROW_PERIOD):
+                if r + Int32(part * SWIZZLE_ROW_PERIOD) >= real:
+                    ptx.store_u32(unit + part * SCALE_WORD_BYTES, Uint32(0))
