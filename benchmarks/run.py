@@ -21,8 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-for package in ("mhc-core", "mhc-dsv41", "mhc-glm5"):
-    source = str(ROOT / "packages" / package / "src")
+for folder in sorted((ROOT / "packages").glob("*/src"), reverse=True):  # mhc-core's first on sys.path
+    source = str(folder)
     if source not in sys.path:
         sys.path.insert(0, source)
 for variable, value in (
