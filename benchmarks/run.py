@@ -56,6 +56,22 @@ RUNNERS: dict[str, Callable[[suites.Context, list[int]], list[suites.Record]]] =
     "host": lambda ctx, ms: suites.host_overhead(ctx, [1]),
     "fp8": fp8.fp8_suite,
 }
+
+
+def _registered_suites() -> dict[str, Callable[[suites.Context, list[int]], list[suites.Record]]]:
+    """The suites model packages declare in the registry (``Model.benchmark_suites``), run by name; a
+    name already above stays the one above."""
+    from mhc_core import registry
+
+    declared = {}
+    for model in registry.models().values():
+        for name, target in model.benchmark_suites:
+            if name not in RUNNERS:
+                declared[name] = registry.load_object(target)
+    return declared
+
+
+RUNNERS.update(_registered_suites())
 SUITES = tuple(RUNNERS)
 #: Suites a plain run (no --suite) does: spin-bound and host are one process with loopback ranks;
 #: glm5-overlap compiles a dozen functions and fp8 some fifty kernels: both are asked for by name.

@@ -3,9 +3,9 @@
 into a temporary folder, registers it through ``MHC_MODEL_PATH`` (no file of this repository
 changes), and runs over it what the two shipped models go through: codegen (its presets from the
 package's own presets.toml), ``tools.compile_presets`` (ptxas, no spill), ``tools.export_kernels``
-(into the package's ``kernels/``), the shipped-kernel lookup, then the wheel build and, installed
-from that wheel with the folder off the path, discovery by its entry point alone and the lookup
-again. ``docs/adding-a-model.md`` walks through the same package."""
+(into the package's ``kernels/``), the shipped-kernel lookup, the benchmarks' suite list, then the
+wheel build and, installed from that wheel with the folder off the path, discovery by its entry
+point alone and the lookup again. ``docs/adding-a-model.md`` walks through the same package."""
 
 from __future__ import annotations
 
@@ -136,7 +136,16 @@ TOY = {
             op_type="mhc_toy.op:ToyOp",
             device_modules=("mhc_toy.kernel",),
             presets_file="presets.toml",
+            benchmark_suites=(("toy", "mhc_toy.bench:toy_suite"),),
         )
+    ''',
+    "src/mhc_toy/bench.py": '''
+        """The toy's benchmark suite (``python3 -m benchmarks.run --suite toy``)."""
+
+
+        def toy_suite(ctx, ms):
+            """A real model's suite times its op at each M with benchmarks.suites' helpers; the toy has none."""
+            return []
     ''',
 }
 
@@ -221,6 +230,8 @@ def test_a_third_model_is_one_package(tmp_path: Path) -> None:
     manifest = json.loads((kernels / "manifest.json").read_text())
     assert any(name.startswith("mhc_toy.") for name in manifest["sources"]), manifest["sources"]
     run(env, "-c", LOOKUP, str(toy))
+    # The benchmarks run its suite by name.
+    assert "toy" in run(env, "-c", "import benchmarks.run as run; print(run.SUITES)")
     assert repo_state() == before, "the toy changed files of the repository"
 
     # The wheel: its presets, kernels and entry point; installed, the entry point alone registers it.
