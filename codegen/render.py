@@ -62,7 +62,8 @@ def preset_arguments(preset: Preset) -> list[str]:
     return lines
 
 
-def render_preset(env: jinja2.Environment, preset: Preset) -> str:
+def render_preset(env: jinja2.Environment, preset: Preset, source: str | None = None) -> str:
+    """``preset``'s module; ``source``: the presets file's name it quotes (default: the one it came from)."""
     model, value = preset.model, preset.value
     geometry = value.geometry()
     kernels = {arch: value.kernel_specs(arch) for arch in value.archs}
@@ -70,7 +71,7 @@ def render_preset(env: jinja2.Environment, preset: Preset) -> str:
         "marker": MARKER,
         "template": f"templates/{PRESET_TEMPLATE}",
         "section": preset.section,
-        "source": preset.source,
+        "source": preset.source if source is None else source,
         "title": model.title,
         "name": preset.name,
         "name_literal": scalar(preset.name),
