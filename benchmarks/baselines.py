@@ -8,6 +8,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from mhc_glm5.reference import softmax_sinkhorn
+
 
 def dsv41_boundary(x, residual, post, comb, pre, norm_weight, norm_eps: float):
     """mHC post-mix, carried-pre collapse and RMSNorm after the (already reduced) sublayer output."""
@@ -28,11 +30,7 @@ def glm5_boundary(
     collapse = (streams.float() * pre.unsqueeze(-1)).sum(1).to(torch.bfloat16)
     layer_input = F.rms_norm(collapse, (collapse.shape[-1],), norm_weight, norm_eps)
     post_out = (torch.sigmoid(raw[:, 4:8] * scale[1] + base[4:8]) * post_mult).unsqueeze(-1)
-    mix = torch.softmax((raw[:, 8:] * scale[2] + base[8:]).view(-1, 4, 4), dim=-1) + hc_eps
-    for iteration in range(sinkhorn_repeat):
-        if iteration:
-            mix = mix / (mix.sum(-1, keepdim=True) + hc_eps)
-        mix = mix / (mix.sum(-2, keepdim=True) + hc_eps)
+    mix = softmax_sinkhorn((raw[:, 8:] * scale[2] + base[8:]).view(-1, 4, 4), hc_eps, sinkhorn_repeat)
     return streams, post_out, mix, layer_input
 
 

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-for package in ("mhc-core", "mhc-dsv41", "mhc-glm5"):
-    source = str(ROOT / "packages" / package / "src")
+for folder in sorted((ROOT / "packages").glob("*/src"), reverse=True):  # mhc-core's first on sys.path
+    source = str(folder)
     if source not in sys.path:
         sys.path.insert(0, source)
 for variable, value in (
@@ -56,6 +56,22 @@ RUNNERS: dict[str, Callable[[suites.Context, list[int]], list[suites.Record]]] =
     "host": lambda ctx, ms: suites.host_overhead(ctx, [1]),
     "fp8": fp8.fp8_suite,
 }
+
+
+def _registered_suites() -> dict[str, Callable[[suites.Context, list[int]], list[suites.Record]]]:
+    """The suites model packages declare in the registry (``Model.benchmark_suites``), run by name; a
+    name already above stays the one above."""
+    from mhc_core import registry
+
+    declared = {}
+    for model in registry.models().values():
+        for name, target in model.benchmark_suites:
+            if name not in RUNNERS:
+                declared[name] = registry.load_object(target)
+    return declared
+
+
+RUNNERS.update(_registered_suites())
 SUITES = tuple(RUNNERS)
 #: Suites a plain run (no --suite) does: spin-bound and host are one process with loopback ranks;
 #: glm5-overlap compiles a dozen functions and fp8 some fifty kernels: both are asked for by name.

@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from .load import CodegenError, display, load_presets
-from .models import MODELS, REPO, ensure_importable
+from .load import CodegenError, default_files, display, load_files
+from .models import REPO, ensure_importable, models
 from .render import MARKER, Output, render_all
 
 
@@ -29,7 +29,7 @@ def plan(outputs: list[Output], root: Path) -> tuple[list[Output], list[Output],
             stale.append(output)
     expected = {output.path for output in outputs}
     orphaned = []
-    for model in MODELS.values():
+    for model in models().values():
         for directory in model.output_dirs(root):
             if directory.is_dir():
                 orphaned.extend(
@@ -39,7 +39,8 @@ def plan(outputs: list[Output], root: Path) -> tuple[list[Output], list[Output],
 
 
 def check_root(root: Path) -> None:
-    absent = [model.output_dir(root).parent for model in MODELS.values() if not model.output_dir(root).parent.is_dir()]
+    known = models().values()
+    absent = [model.output_dir(root).parent for model in known if not model.output_dir(root).parent.is_dir()]
     if absent:
         raise CodegenError([f"{display(root)}: no package folder {display(path)} to generate into" for path in absent])
 
@@ -50,15 +51,20 @@ def main(argv: list[str] | None = None) -> int:
         description="Validate presets.toml and render one module per preset (and a registry per model package).",
     )
     parser.add_argument("--check", action="store_true", help="write nothing; name stale, missing, orphaned files")
-    parser.add_argument("--presets", type=Path, default=REPO / "presets.toml", help="default: the repo's")
+    parser.add_argument(
+        "--presets",
+        type=Path,
+        action="append",
+        help="a presets file (repeatable); default: the repo's presets.toml and each model package's own",
+    )
     parser.add_argument("--root", type=Path, default=REPO, help="tree whose packages/ receive the modules")
     args = parser.parse_args(argv)
     ensure_importable()
     root: Path = args.root
     try:
         check_root(root)
-        presets = load_presets(args.presets)
-        outputs = render_all(presets, root, args.presets.name)
+        presets = load_files(args.presets or default_files(REPO / "presets.toml"))
+        outputs = render_all(presets, root)
         stale, missing, orphaned = plan(outputs, root)
         foreign = [path for path in orphaned if not (path.suffix == ".py" and _is_generated(path))]
         if foreign and not args.check:

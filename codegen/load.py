@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .models import MODELS, Model
+from .models import Model, models
 
 #: Longest ``description``: it must fit one line of the generated module.
 MAX_DESCRIPTION = 100
@@ -37,6 +37,8 @@ class Preset:
     value: Any  # the model's preset dataclass
     #: Keys the table left out that codegen filled, with the rule that filled them.
     filled: dict[str, str]
+    #: The presets file's name, as the generated modules quote it.
+    source: str = "presets.toml"
 
     @property
     def section(self) -> str:
@@ -133,7 +135,7 @@ def _load_preset(model: Model, name: str, table: object, source: str) -> Preset:
     module = module_name(name)
     if not module.isidentifier() or keyword.iskeyword(module):
         raise CodegenError([f"{where} {_key_error('name', 'must make a Python module name', name)}"])
-    return Preset(model=model, name=name, value=value, filled=filled)
+    return Preset(model=model, name=name, value=value, filled=filled, source=Path(source).name)
 
 
 def load_presets(path: Path) -> list[Preset]:
@@ -148,10 +150,11 @@ def load_presets(path: Path) -> list[Preset]:
         raise CodegenError([f"{source}: invalid TOML: {error}"]) from None
     presets: list[Preset] = []
     errors: list[str] = []
+    known = models()
     for key, tables in document.items():
-        model = MODELS.get(key)
+        model = known.get(key)
         if model is None:
-            errors.append(f"{source}: [{key}] unknown model; expected one of {', '.join(MODELS)}")
+            errors.append(f"{source}: [{key}] unknown model; expected one of {', '.join(known)}")
             continue
         if not isinstance(tables, dict):
             errors.append(f"{source}: [{key}] must hold [{key}.<name>] tables; got {tables!r}")
@@ -161,6 +164,33 @@ def load_presets(path: Path) -> list[Preset]:
                 presets.append(_load_preset(model, name, table, source))
             except CodegenError as error:
                 errors.extend(error.messages)
+    if errors:
+        raise CodegenError(errors)
+    return sorted(presets, key=lambda preset: (preset.model.key, preset.name))
+
+
+def default_files(repo_presets: Path) -> list[Path]:
+    """The repo's presets.toml, then each registered model's own presets file (a package kept apart)."""
+    own = [model.presets_path for model in models().values() if model.presets_path is not None]
+    return [repo_presets, *(path for path in own if path != repo_presets)]
+
+
+def load_files(paths: list[Path]) -> list[Preset]:
+    """Every preset of every file in ``paths``; a preset given twice is an error naming both files."""
+    presets: list[Preset] = []
+    errors: list[str] = []
+    seen: dict[str, str] = {}
+    for path in paths:
+        try:
+            loaded = load_presets(path)
+        except CodegenError as error:
+            errors.extend(error.messages)
+            continue
+        for preset in loaded:
+            if preset.section in seen:
+                errors.append(f"{display(path)}: [{preset.section}] already given in {seen[preset.section]}")
+            seen[preset.section] = display(path)
+            presets.append(preset)
     if errors:
         raise CodegenError(errors)
     return sorted(presets, key=lambda preset: (preset.model.key, preset.name))

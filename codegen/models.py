@@ -1,8 +1,8 @@
-"""The models codegen knows: where their presets come from and where their modules go."""
+"""The models codegen knows, from the model registry (``mhc_core.registry``): where their presets
+come from and where their modules go."""
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import sys
 from dataclasses import dataclass
@@ -11,40 +11,40 @@ from typing import Any
 
 #: The repository this codegen lives in (its packages provide the preset dataclasses).
 REPO = Path(__file__).resolve().parents[1]
-DISTRIBUTIONS = ("mhc-core", "mhc-dsv41", "mhc-glm5")
+CORE_SRC = REPO / "packages" / "mhc-core" / "src"
 
 
 @dataclass(frozen=True)
 class Model:
-    """One model package: its ``[<key>.<name>]`` tables in presets.toml and its ``presets/`` output."""
+    """One registered model package: its ``[<key>.<name>]`` tables and its ``presets/`` output."""
 
-    key: str
-    title: str
-    distribution: str
-    package: str
-    preset_class: str
-    op_class: str
-    #: Name of a ``config`` function ``(hidden, hc, tp) -> {key: value}`` filling omitted keys, if any.
-    defaults: str | None = None
+    entry: Any  # mhc_core.registry.Model
 
-    @property
-    def config_module(self) -> str:
-        return f"{self.package}.config"
+    def __getattr__(self, name: str) -> Any:
+        """The entry's fields: ``key``, ``title``, ``config_module``, ``preset_class``, ``op_module``,
+        ``op_class``, ``presets_package``, ``presets_path``..."""
+        if name == "entry":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.entry, name)
 
     @property
-    def op_module(self) -> str:
-        return f"{self.package}.op"
-
-    @property
-    def presets_package(self) -> str:
-        return f"{self.package}.presets"
+    def defaults(self) -> str | None:
+        """The defaults rule's name (it fills omitted keys), as the generated modules quote it."""
+        return None if self.entry.defaults is None else str(self.entry.defaults).partition(":")[2]
 
     @property
     def test_presets_package(self) -> str:
         return f"tests.presets.{self.key}"
 
     def output_dir(self, root: Path) -> Path:
-        return root / "packages" / self.distribution / "src" / self.package / "presets"
+        """``<package>/presets`` under ``root``'s ``packages/`` for this checkout's packages, else in
+        the distribution folder the model was found in."""
+        from mhc_core.registry import checkout_packages
+
+        source = self.entry.source
+        if source is None or source.parent == checkout_packages():
+            source = root / "packages" / self.entry.distribution
+        return source / "src" / self.entry.package / "presets"
 
     def test_output_dir(self, root: Path) -> Path:
         """Where the test presets' modules go (``mhc_core.presets.is_test_preset``): the tests', not the package's."""
@@ -54,42 +54,21 @@ class Model:
         return self.output_dir(root), self.test_output_dir(root)
 
     def preset_type(self) -> type:
-        return getattr(importlib.import_module(self.config_module), self.preset_class)
+        loaded: type = self.entry.load_preset_type()
+        return loaded
 
     def defaults_function(self) -> Any:
-        if self.defaults is None:
-            return None
-        return getattr(importlib.import_module(self.config_module), self.defaults)
+        return self.entry.load_defaults()
 
 
-MODELS: dict[str, Model] = {
-    model.key: model
-    for model in (
-        Model(
-            key="dsv41",
-            title="DSV4.1",
-            distribution="mhc-dsv41",
-            package="mhc_dsv41",
-            preset_class="DSV41Preset",
-            op_class="AllReduceMHC",
-            defaults="default_geometry",
-        ),
-        Model(
-            key="glm5",
-            title="GLM-5.3-Flash",
-            distribution="mhc-glm5",
-            package="mhc_glm5",
-            preset_class="GLM5Preset",
-            op_class="AllReduceMhcBoundary",
-        ),
-    )
-}
+def models() -> dict[str, Model]:
+    """Every registered model by key."""
+    from mhc_core import registry
+
+    return {key: Model(entry) for key, entry in registry.models().items()}
 
 
 def ensure_importable() -> None:
-    """Put the repo's ``packages/*/src`` on ``sys.path`` for the packages that are not installed."""
-    for distribution in DISTRIBUTIONS:
-        package = distribution.replace("-", "_")
-        src = REPO / "packages" / distribution / "src"
-        if importlib.util.find_spec(package) is None and str(src) not in sys.path:
-            sys.path.insert(0, str(src))
+    """Put the repo's mhc-core on ``sys.path`` when it is not installed (the registry finds the rest)."""
+    if importlib.util.find_spec("mhc_core") is None and str(CORE_SRC) not in sys.path:
+        sys.path.insert(0, str(CORE_SRC))

@@ -14,7 +14,7 @@ import jinja2
 
 from .literals import LINE_LENGTH, checked, scalar
 from .load import CodegenError, Preset
-from .models import MODELS, REPO, Model
+from .models import REPO, Model, models
 
 TEMPLATES = REPO / "templates"
 PRESET_TEMPLATE = "preset.py.j2"
@@ -62,7 +62,8 @@ def preset_arguments(preset: Preset) -> list[str]:
     return lines
 
 
-def render_preset(env: jinja2.Environment, preset: Preset, source: str) -> str:
+def render_preset(env: jinja2.Environment, preset: Preset, source: str | None = None) -> str:
+    """``preset``'s module; ``source``: the presets file's name it quotes (default: the one it came from)."""
     model, value = preset.model, preset.value
     geometry = value.geometry()
     kernels = {arch: value.kernel_specs(arch) for arch in value.archs}
@@ -70,7 +71,7 @@ def render_preset(env: jinja2.Environment, preset: Preset, source: str) -> str:
         "marker": MARKER,
         "template": f"templates/{PRESET_TEMPLATE}",
         "section": preset.section,
-        "source": source,
+        "source": preset.source if source is None else source,
         "title": model.title,
         "name": preset.name,
         "name_literal": scalar(preset.name),
@@ -122,14 +123,14 @@ def _check_lines(output: Output) -> None:
     compile(output.text, str(output.path), "exec")
 
 
-def render_all(presets: list[Preset], root: Path, source: str) -> list[Output]:
+def render_all(presets: list[Preset], root: Path) -> list[Output]:
     """Every file the presets make under ``root``, sorted by path; nothing is written."""
     from mhc_core.presets import is_test_preset
 
     env = environment()
     outputs = []
-    for model in MODELS.values():
-        mine = [preset for preset in presets if preset.model is model]
+    for model in models().values():
+        mine = [preset for preset in presets if preset.model == model]
         shipped = [preset for preset in mine if not is_test_preset(preset.name)]
         tested = [preset for preset in mine if is_test_preset(preset.name)]
         targets = ((model.output_dir(root), shipped, False), (model.test_output_dir(root), tested, True))
@@ -137,11 +138,12 @@ def render_all(presets: list[Preset], root: Path, source: str) -> list[Output]:
             if tests and not group:
                 continue
             origin = f"[{model.key}] {'test registry' if tests else 'registry'}"
+            source = group[0].source if group else "presets.toml"
             registry = render_registry(env, model, group, source, tests=tests)
             outputs.append(Output(directory / "__init__.py", registry, origin))
             for preset in group:
                 path = directory / f"{module_name(preset.name)}.py"
-                outputs.append(Output(path, render_preset(env, preset, source), f"[{preset.section}]"))
+                outputs.append(Output(path, render_preset(env, preset), f"[{preset.section}]"))
     for output in outputs:
         _check_lines(output)
     return sorted(outputs, key=lambda output: str(output.path))

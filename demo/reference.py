@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from mhc_core import MoEOutput
+from mhc_glm5.reference import softmax_sinkhorn
 
 from .config import HC, MixesConfig
 from .tolerance import U, bf16_ulp
@@ -116,16 +117,6 @@ def dsv41_collapse(streams: Tensor, pre: Tensor, weight: Tensor, eps: float) -> 
 
 
 # ---------------------------------------------------------------------------- GLM-5.3
-def sinkhorn(logits: Tensor, eps: float, repeat: int) -> Tensor:
-    """The baselines' Sinkhorn (softmax + eps, then ``repeat`` column / row rounds) in FP64."""
-    c = torch.softmax(logits.to(F64), dim=-1) + eps
-    for iteration in range(repeat):
-        if iteration:
-            c = c / (c.sum(-1, keepdim=True) + eps)
-        c = c / (c.sum(-2, keepdim=True) + eps)
-    return c
-
-
 def glm5_mixes(
     streams: Tensor, fn: Tensor, scale: Tensor, base: Tensor, weight: Tensor, config: MixesConfig, norm_eps: float
 ) -> dict[str, Tensor]:
@@ -149,5 +140,5 @@ def glm5_mixes(
         "collapse": collapse,
         "layer_input": rms_norm(collapse, weight, norm_eps),
         "post_out": post_out.unsqueeze(-1).float(),
-        "comb_out": sinkhorn(logits, config.hc_eps, config.sinkhorn_repeat).float(),
+        "comb_out": softmax_sinkhorn(logits, config.hc_eps, config.sinkhorn_repeat).float(),
     }

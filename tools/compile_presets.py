@@ -1,8 +1,9 @@
 """Compile every preset's kernels for each of its archs, without a GPU, and tabulate ptxas's report.
 
-    python3 -m tools.compile_presets [--arch A ...] [--preset NAME ...] [--model dsv41|glm5] [--ptx-digest FILE]
+    python3 -m tools.compile_presets [--arch A ...] [--preset NAME ...] [--model KEY] [--ptx-digest FILE]
 
-The kernels come from the generated preset modules (``<package>.presets``,
+The models are the registered ones (``mhc_core.registry``). The kernels come from the generated
+preset modules (``<package>.presets``,
 ``kernels(arch)``); ``mhc_core.host.compiler.compile_kernel(kernel, arch, inspect=True)``
 passes ``--gpu-arch`` so no GPU is needed. A kernel config met again on the same
 arch is compiled once; its later rows say "same as" the first. A kernel class that
@@ -29,26 +30,30 @@ from types import ModuleType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-MODELS = ("dsv41", "glm5")
-PACKAGES = {"dsv41": "mhc_dsv41", "glm5": "mhc_glm5"}
 
 
 def ensure_importable() -> list[str]:
     """Put the checkout's ``packages/*/src`` first on ``sys.path`` (its sources win over an
     installed wheel: this tool checks the tree it ships in); one line per package saying which
-    copy is imported."""
+    copy is imported (the registry's models, then any it found elsewhere)."""
     lines = []
     if str(ROOT) not in sys.path:  # tests.presets: the test presets' registries
         sys.path.append(str(ROOT))
-    for distribution in ("mhc-core", "mhc-dsv41", "mhc-glm5"):
-        package = distribution.replace("-", "_")
-        src = ROOT / "packages" / distribution / "src"
+    sources = sorted(path.parent for path in (ROOT / "packages").glob("*/src"))
+    for distribution in sources:
+        src = distribution / "src"
         if str(src) in sys.path:
             sys.path.remove(str(src))
         sys.path.insert(0, str(src))
+    from mhc_core import registry
+
+    registry.refresh()
+    for package in ("mhc_core", *registry.packages()):
         spec = importlib.util.find_spec(package)
         origin = Path(spec.origin).parent if spec is not None and spec.origin else None
-        where = "the checkout" if origin is not None and origin.is_relative_to(src) else "an installed copy"
+        where = (
+            "the checkout" if origin is not None and origin.is_relative_to(ROOT / "packages") else "not the checkout"
+        )
         lines.append(f"{package}: {origin} ({where})")
     return lines
 
@@ -84,18 +89,17 @@ class Row:
 
 
 def dynamic_shared(model: str, kernel: str, geometry: dict[str, Any]) -> int | None:
-    """The kernel's dynamic shared memory where the preset's GEOMETRY states it (ptxas sees only static)."""
-    if model == "dsv41" and kernel == "collective":
-        return geometry["shared_bytes"]
-    if model == "dsv41" and kernel == "collective_persistent":
-        return geometry["persistent_shared_bytes"]
-    if model == "glm5" and kernel == "boundary":
-        return geometry["shared_bytes"]
-    if model == "glm5" and kernel == "boundary_persistent":
-        return geometry["persistent_shared_bytes"]
-    if model == "glm5" and kernel.startswith("boundary_x"):
-        return geometry["grouped_shared_bytes"].get(int(kernel.removeprefix("boundary_x")))
-    return None
+    """The kernel's dynamic shared memory where the preset's GEOMETRY states it (ptxas sees only
+    static): the model's registry entry says which key holds it."""
+    from mhc_core import registry
+
+    return registry.model(model).dynamic_shared(kernel, geometry)
+
+
+def model_keys() -> list[str]:
+    from mhc_core import registry
+
+    return list(registry.models())
 
 
 def missing_class(path: str) -> bool:
@@ -115,7 +119,9 @@ def missing_class(path: str) -> bool:
 def registries(model: str, shipped_only: bool) -> list[ModuleType]:
     """``model``'s shipped preset registry and, unless ``shipped_only``, the tests' own (the test
     presets: codegen renders them under ``tests/presets/``, out of the packages)."""
-    found = [importlib.import_module(f"{PACKAGES[model]}.presets")]
+    from mhc_core import registry
+
+    found = [importlib.import_module(registry.model(model).presets_package)]
     if not shipped_only and importlib.util.find_spec(f"tests.presets.{model}") is not None:
         found.append(importlib.import_module(f"tests.presets.{model}"))
     return found
@@ -207,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--preset", action="append", default=[], help="only this preset, NAME or MODEL.NAME (repeatable)"
     )
-    parser.add_argument("--model", choices=MODELS, help="only this model's presets")
+    parser.add_argument("--model", help="only this registered model's presets (its key)")
     parser.add_argument("--ptx-digest", metavar="FILE", help="write the sha256 of every distinct kernel's PTX here")
     args = parser.parse_args(argv)
     for line in ensure_importable():
@@ -219,7 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown_archs = [arch for arch in args.arch if arch not in SUPPORTED_ARCHS]
     if unknown_archs:
         parser.error(f"--arch: expected among {', '.join(SUPPORTED_ARCHS)}; got {', '.join(unknown_archs)}")
-    models = [args.model] if args.model else list(MODELS)
+    if args.model is not None and args.model not in model_keys():
+        parser.error(f"--model: expected one of {', '.join(model_keys())}; got {args.model!r}")
+    models = [args.model] if args.model else model_keys()
     jobs = jobs_for(select_presets(models, args.preset), args.arch)
     if not jobs:
         print("no kernels to compile for that selection", file=sys.stderr)

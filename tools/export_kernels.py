@@ -1,11 +1,11 @@
 """Export every preset kernel into one shared library per model package and arch, with its manifest.
 
-    python3 -m tools.export_kernels [--model dsv41|glm5] [--arch A ...] [--preset NAME ...] [--out DIR]
+    python3 -m tools.export_kernels [--model KEY] [--arch A ...] [--preset NAME ...] [--out DIR]
 
-For each model package and each arch its presets list: compile every kernel (TVM-FFI, no GPU
-needed; a kernel met again is compiled once), export it as an object file whose one visible symbol
-is its TVM-FFI entry point ``__tvm_ffi_<symbol>`` (``mhc_core.host.artifacts``: the symbol is a
-hash of the kernel's full key), link the objects into
+For each registered model package (``mhc_core.registry``) and each arch its presets list: compile
+every kernel (TVM-FFI, no GPU needed; a kernel met again is compiled once), export it as an object
+file whose one visible symbol is its TVM-FFI entry point ``__tvm_ffi_<symbol>``
+(``mhc_core.host.artifacts``: the symbol is a hash of the kernel's full key), link the objects into
 ``<package>/kernels/<arch>/lib<package>_<arch>.so`` against the DSL runtime and TVM-FFI, and write
 ``manifest.json`` beside it. ``--out`` writes ``<out>/<package>/kernels/...`` instead of into the
 checkout's sources (which hatch then packs into the wheels; ``nox -s build`` runs this).
@@ -18,6 +18,7 @@ own kernels; per-preset libraries would mean as many files for a few kB each.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import shutil
 import sys
 import tempfile
@@ -25,12 +26,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tools.compile_presets import MODELS, PACKAGES, ROOT, ensure_importable, jobs_for, select_presets
+from tools.compile_presets import ensure_importable, jobs_for, model_keys, select_presets
+
+
+def package_folder(package: str) -> Path:
+    """Where ``package`` is imported from (the checkout's ``src/<package>`` once ``ensure_importable`` ran)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(f"error: cannot find the package {package}")
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=MODELS, help="only this model's presets")
+    parser.add_argument("--model", help="only this registered model's presets (its key)")
     parser.add_argument("--arch", action="append", default=[], help="only this arch (repeatable)")
     parser.add_argument("--preset", action="append", default=[], help="only this preset (repeatable)")
     parser.add_argument("--out", type=Path, default=None, help="write <out>/<package>/kernels/ (default: the sources)")
@@ -38,21 +47,24 @@ def main(argv: list[str] | None = None) -> int:
     for line in ensure_importable():
         print(line, flush=True)
 
+    from mhc_core import registry
     from mhc_core.host import artifacts
     from mhc_core.host.compiler import CALLING_CONVENTION, KernelSpec, compile_kernel
 
+    if args.model is not None and args.model not in model_keys():
+        parser.error(f"--model: expected one of {', '.join(model_keys())}; got {args.model!r}")
     artifacts.load_runtime_globally()
-    models = [args.model] if args.model else list(MODELS)
+    models = [args.model] if args.model else model_keys()
     libraries = []
     start = time.perf_counter()
     # An unknown name is an error, for any model; the test presets' kernels stay out of the wheels.
     chosen = select_presets(models, args.preset, shipped_only=True)
     for model in models:
-        package = PACKAGES[model]
+        package = registry.model(model).package
         jobs = jobs_for([preset for preset in chosen if preset[0] == model], args.arch)
         if not jobs:
             continue
-        base = (args.out / package) if args.out else ROOT / "packages" / f"mhc-{model}" / "src" / package
+        base = (args.out / package) if args.out else package_folder(package)
         for arch in dict.fromkeys(job.arch for job in jobs):
             folder = base / "kernels" / arch
             shutil.rmtree(folder, ignore_errors=True)

@@ -120,10 +120,12 @@ def test_ruff_clean(work: tuple[Path, Path], capsys: pytest.CaptureFixture[str])
     presets, root = work
     assert run(capsys, "--presets", presets, "--root", root)[0] == 0
     ruff = _ruff()
+    # The repo's settings, run in the copy: their first-party ``src = ["packages/*/src"]`` is relative
+    # (to the working directory, with --config).
     config = ["--config", str(ROOT / "pyproject.toml"), "--no-cache"]
     folders = [str(root / DSV_DIR), str(root / GLM_DIR)]
     for command in (["check", *config, *folders], ["format", "--check", *config, *folders]):
-        result = subprocess.run([*ruff, *command], capture_output=True, text=True, check=False)
+        result = subprocess.run([*ruff, *command], capture_output=True, text=True, check=False, cwd=root)
         assert result.returncode == 0, result.stdout + result.stderr
 
 

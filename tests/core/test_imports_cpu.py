@@ -15,27 +15,25 @@ import ast
 import importlib
 from pathlib import Path
 
+from mhc_core import registry
+
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = [ROOT / "packages" / package / "src" for package in ("mhc-core", "mhc-dsv41", "mhc-glm5")]
+#: mhc-core and every registered model package (``mhc_core.registry``): no model is named here.
+MODELS = registry.models()
+SOURCES = [ROOT / "packages" / "mhc-core" / "src"] + [
+    (model.source / "src") if model.source is not None else ROOT / "packages" / model.distribution / "src"
+    for model in MODELS.values()
+]
 DEVICE_PREFIXES = ("mhc_core.device",)
-DEVICE_MODULES = {
-    "mhc_dsv41.kernel",
-    "mhc_glm5.boundary",
-    "mhc_glm5.grouped",
-    "mhc_glm5.grouped_mma",
-    "mhc_glm5.mixes",
-    "mhc_glm5.fn_stage",
-    "mhc_glm5.stages",
-    "mhc_glm5.fp8_store",
-}
-#: Pure modules both layers share (constants, preset rules); neither layer's.
+#: The models' device modules, as each declares them.
+DEVICE_MODULES = {module for model in MODELS.values() for module in model.device_modules}
+#: Pure modules both layers share (constants, preset rules, each model's config); neither layer's.
 SHARED = {
     "mhc_core",
     "mhc_core.constants",
     "mhc_core.presets",
     "mhc_core.compat",
-    "mhc_dsv41.config",
-    "mhc_glm5.config",
+    *(model.config_module for model in MODELS.values()),
 }
 
 
@@ -165,8 +163,39 @@ def test_host_modules_form_no_cycle() -> None:
 
 
 def test_the_graph_sees_the_layers() -> None:
-    """The checks above look at real edges: the op imports the kernel configs, a model's op its own."""
+    """The checks above look at real edges: the op imports the kernel configs, each model's op its own
+    config, and every declared device module exists."""
     graph = edges()
     assert "mhc_core.device.configs" in graph["mhc_core.host.op"]
-    assert "mhc_dsv41.config" in graph["mhc_dsv41.op"]
     assert "mhc_core.host.groups" in graph["mhc_core.host.mailbox"]
+    for model in MODELS.values():
+        assert model.config_module in graph[model.op_module], model.key
+        assert set(model.device_modules) <= set(MODULES), model.key
+
+
+def test_core_and_tools_name_no_model() -> None:
+    """No file outside a model package names a model: mhc-core, codegen and tools iterate the registry
+    (model names in docstrings and comments are words, not code; the check reads code)."""
+    files = list((ROOT / "packages" / "mhc-core" / "src").rglob("*.py"))
+    for folder in ("codegen", "tools"):
+        files += list((ROOT / folder).rglob("*.py"))
+    names = {name for model in MODELS.values() for name in (model.key, model.package, model.distribution)}
+    found = []
+    for path in files:
+        tree = ast.parse(path.read_text())
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+            and node.body
+            and isinstance(node.body[0], ast.Expr)
+        }
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                words = set(node.value.replace(".", " ").replace(":", " ").split())
+                found += [f"{path.relative_to(ROOT)}:{node.lineno}: {name}" for name in sorted(words & names)]
+            elif isinstance(node, ast.Name | ast.alias):
+                text = node.id if isinstance(node, ast.Name) else node.name
+                if set(text.split(".")) & names:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {text}")
+    assert not found, "\n".join(found)

@@ -399,7 +399,7 @@ def _model_packages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[An
         )
         paths.append(artifacts.write_manifest(folder, package, ARCH, library, [(kernel_key, ())]))
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    monkeypatch.setattr(artifacts, "MODEL_PACKAGES", ("mhcfake_a", "mhcfake_b"))
+    monkeypatch.setattr(artifacts, "model_packages", lambda: ("mhcfake_a", "mhcfake_b"))
     _clear_manifest_caches()
     return cache_support.key(), paths[0], paths[1]
 

@@ -59,7 +59,7 @@ def test_arguments_are_named() -> None:
         mhc_core.find_preset("dsv41", arch="sm_90a", capability=(9, 0), tp=1, hidden=5120)
     with pytest.raises(ValueError, match=r"capability: expected one of 9.0, 10.0, 10.3, got 8.0"):
         mhc_core.find_preset("dsv41", capability=(8, 0), tp=1, hidden=5120)
-    with pytest.raises(ValueError, match=r"model: expected one of dsv41, glm5, got 'llama'"):
+    with pytest.raises(ValueError, match=r"unknown model 'llama'; known: dsv41, glm5"):
         mhc_core.find_preset("llama", arch="sm_90a", tp=1, hidden=5120)
 
 

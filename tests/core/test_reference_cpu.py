@@ -66,7 +66,7 @@ def test_sinkhorn_is_nearly_doubly_stochastic(repeat: int) -> None:
 
 def test_dsv41_reference_rounding_points() -> None:
     """residual_out is BF16 per stream; the collapse reads the rounded streams."""
-    from mhc_core.reference import dsv41_boundary
+    from mhc_dsv41.reference import dsv41_boundary
 
     m, hc, hidden = 3, 4, 64
     g = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""AllReduceMHC on the GPU against mhc_core.reference: every H200 and GB300 preset shape, hc = 8,
+"""AllReduceMHC on the GPU against mhc_dsv41.reference: every H200 and GB300 preset shape, hc = 8,
 hidden 7168 (three trips in rank-lane pairs), tp 1 and loopback 2, 4, 8, plain and MoE finalize, both post shapes,
 poisoned out= buffers, -0 inputs, bitwise-identical ranks, CUDA-graph replays; the one-token collective
 and the persistent one (forced at every M, few clusters)."""
@@ -78,7 +78,7 @@ def inputs(m: int, hc: int, hidden: int, generator: torch.Generator, *, post_3d:
 
 
 def check_outputs(results, reduced, residual, post, comb, pre, weight) -> None:
-    from mhc_core import reference
+    from mhc_dsv41 import reference
 
     expected_residual, expected_input = reference.dsv41_boundary(reduced, residual, post, comb, pre, weight, NORM_EPS)
     residual_tolerance = post_mix_tolerance(reduced, residual, post, comb, expected_residual)

@@ -1,4 +1,5 @@
-"""Checking AllReduceMhcBoundary's four outputs (and its raw mixes) against mhc_core.reference."""
+"""Checking AllReduceMhcBoundary's four outputs (and its raw mixes) against mhc_glm5.reference (and
+mhc_core.reference's model-independent pieces)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ def check_boundary(op, results: list, reduced: torch.Tensor, args: dict, raw_mix
     kernel's own BF16 streams, so a one-ulp stream difference is not counted twice.
     """
     from mhc_core import reference
+    from mhc_glm5 import reference as glm5_reference
 
     preset = op.preset
     residual, post, comb, fn = args["residual"], args["post"], args["comb"], args["fn"]
@@ -63,10 +65,10 @@ def check_boundary(op, results: list, reduced: torch.Tensor, args: dict, raw_mix
     streams = residual_out.float()
     flat = streams.reshape(streams.shape[0], -1)
     rstd = torch.rsqrt((flat * flat).sum(-1, keepdim=True) / flat.shape[1] + preset.rms_eps)
-    raw = reference.glm5_mixes(residual_out, fn, preset.rms_eps)
+    raw = glm5_reference.glm5_mixes(residual_out, fn, preset.rms_eps)
     raw_tolerance = gemv_tolerance(residual_out, fn, rstd, gemv_depth(op)) + APPROX * raw.abs()
 
-    pre = reference.sigmoid(raw[:, :HC] * scale[0] + base[:HC]) + preset.hc_eps
+    pre = glm5_reference.sigmoid(raw[:, :HC] * scale[0] + base[:HC]) + preset.hc_eps
     pre_error = 0.25 * scale[0].abs() * raw_tolerance[:, :HC] + 2 * APPROX
     t = streams * pre[..., None]
     collapse = ((t[:, 0] + t[:, 1]) + (t[:, 2] + t[:, 3])).to(torch.bfloat16)
@@ -78,7 +80,7 @@ def check_boundary(op, results: list, reduced: torch.Tensor, args: dict, raw_mix
     expected_input = reference.rms_norm(collapse, weight, preset.norm_eps)
     input_tolerance = rms_norm_tolerance(collapse, collapse_error, weight, preset.norm_eps, expected_input)
 
-    expected_post, expected_comb = reference.glm5_side_mixes(
+    expected_post, expected_comb = glm5_reference.glm5_side_mixes(
         raw, scale, base, hc_eps=preset.hc_eps, post_mult=preset.post_mult, sinkhorn_repeat=preset.sinkhorn_repeat
     )
     post_tolerance = preset.post_mult * (0.25 * scale[1].abs() * raw_tolerance[:, HC : 2 * HC] + 2 * APPROX)

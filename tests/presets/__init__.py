@@ -10,12 +10,12 @@ import importlib
 from types import ModuleType
 from typing import Any
 
-PACKAGES = {"dsv41": "mhc_dsv41", "glm5": "mhc_glm5"}
+from mhc_core import registry as model_registry
 
 
 def registries(model: str) -> list[ModuleType]:
     """The shipped registry, then the tests' own (where the model has test presets)."""
-    found = [importlib.import_module(f"{PACKAGES[model]}.presets")]
+    found = [importlib.import_module(model_registry.model(model).presets_package)]
     with contextlib.suppress(ModuleNotFoundError):  # a model without test presets has no registry here
         found.append(importlib.import_module(f"{__name__}.{model}"))
     return found

@@ -2,10 +2,10 @@
 device), tp, hidden and hc. Pure Python: imports the model's preset registry and modules, which need
 neither torch nor the DSL (a ``device`` is asked of torch).
 
-``find_preset("dsv41", arch="sm_90a", tp=2, hidden=5120)`` returns the preset's module (``PRESET``,
-``build(...)``); where no shipped preset matches, ``LookupError`` names the closest ones and what
-differs. Test presets (``mhc_core.presets.is_test_preset``: only the tests have them) are never
-returned.
+``find_preset(model, arch="sm_90a", tp=2, hidden=5120)`` (``model``: a registered model's key,
+``mhc_core.registry``) returns the preset's module (``PRESET``, ``build(...)``); where no shipped
+preset matches, ``LookupError`` names the closest ones and what differs. Test presets
+(``mhc_core.presets.is_test_preset``: only the tests have them) are never returned.
 """
 
 from __future__ import annotations
@@ -13,19 +13,35 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import Any, Protocol
 
 from .constants import ARCH_BY_CAPABILITY, SUPPORTED_ARCHS
 from .presets import is_test_preset
+from .registry import model as registered_model
 
-if TYPE_CHECKING:  # each model's preset module type (its registry's ``PresetModule``)
-    from mhc_dsv41.presets import PresetModule as DSV41PresetModule
-    from mhc_glm5.presets import PresetModule as GLM5PresetModule
-
-#: Model key -> its package (``<package>.presets`` is the registry).
-MODELS = {"dsv41": "mhc_dsv41", "glm5": "mhc_glm5"}
 #: How many near misses an error names.
 CLOSEST = 3
+
+
+class ModelPreset(Protocol):
+    """What every model's preset dataclass has (``find_preset`` matches on these)."""
+
+    name: str
+    archs: tuple[str, ...]
+    tp: int
+    hidden: int
+    hc: int
+
+
+class PresetModule(Protocol):
+    """What ``find_preset`` returns, for any registered model: a generated preset module (the model's
+    own registry, ``<package>.presets.get``, types ``PRESET`` and ``build`` as that model's)."""
+
+    NAME: str
+    PRESET: ModelPreset
+    GEOMETRY: dict[str, Any]
+
+    def build(self, max_num_tokens: int, device: Any, group: Any = None, **options: Any) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -70,36 +86,8 @@ def _arch(arch: str | None, capability: tuple[int, int] | None, device: Any) -> 
 
 def shipped_presets(model: str) -> dict[str, ModuleType]:
     """name -> module of every shipped preset of ``model`` (test presets left out)."""
-    if model not in MODELS:
-        raise ValueError(f"model: expected one of {', '.join(MODELS)}, got {model!r}")
-    registry = importlib.import_module(f"{MODELS[model]}.presets")
+    registry = importlib.import_module(registered_model(model).presets_package)  # ValueError names the known
     return {name: registry.get(name) for name in registry.names() if not is_test_preset(name)}
-
-
-@overload
-def find_preset(
-    model: Literal["dsv41"],
-    *,
-    tp: int,
-    hidden: int,
-    hc: int | None = None,
-    arch: str | None = None,
-    capability: tuple[int, int] | None = None,
-    device: Any = None,
-) -> DSV41PresetModule: ...
-
-
-@overload
-def find_preset(
-    model: Literal["glm5"],
-    *,
-    tp: int,
-    hidden: int,
-    hc: int | None = None,
-    arch: str | None = None,
-    capability: tuple[int, int] | None = None,
-    device: Any = None,
-) -> GLM5PresetModule: ...
 
 
 def find_preset(
@@ -111,7 +99,7 @@ def find_preset(
     arch: str | None = None,
     capability: tuple[int, int] | None = None,
     device: Any = None,
-) -> Any:
+) -> PresetModule:
     """The module of ``model``'s shipped preset for one GPU (``arch``, ``capability`` or ``device``:
     exactly one), ``tp``, ``hidden`` and ``hc`` (None: any). Raises ``LookupError`` naming the
     closest presets and what differs when none matches."""
@@ -120,7 +108,8 @@ def find_preset(
     ranked = sorted(presets.items(), key=lambda item: (len(wanted.differences(item[1].PRESET)), item[0]))
     matches = [(name, module) for name, module in ranked if not wanted.differences(module.PRESET)]
     if len(matches) == 1:
-        return matches[0][1]
+        found: PresetModule = matches[0][1]
+        return found
     described = f"arch {wanted.arch}, tp {tp}, hidden {hidden}" + (f", hc {hc}" if hc is not None else "")
     if matches:
         names = ", ".join(name for name, _ in matches)

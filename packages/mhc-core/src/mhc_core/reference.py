@@ -1,4 +1,6 @@
-"""Torch references that round where the kernels (and the seeds) round.
+"""Torch references that round where the kernels (and the seeds) round: the model-independent pieces
+(the all-reduce, the MoE finalize, RMSNorm, the post-mix, Sinkhorn). Each model's boundary reference
+lies in its package (its registry entry's ``reference``: ``<package>.reference``).
 
 * The TP sum is FP32 in the kernel's exact tree (``tp_sum``), rounded to BF16.
 * Each post-mixed stream is rounded to BF16 (``residual_out``), and the collapse
@@ -18,9 +20,6 @@ from __future__ import annotations
 import torch
 
 from .constants import NEGATIVE_ZERO_BF16
-
-MIX = 24  # GLM raw mixes per token: 4 pre, 4 post, 16 residual mix
-HC_GLM = 4
 
 
 # ----------------------------------------------------------------- all-reduce
@@ -101,35 +100,7 @@ def post_mix(reduced: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, 
     return torch.stack(mixed, dim=1).to(torch.bfloat16)
 
 
-# ------------------------------------------------------------------- DSV4.1
-def dsv41_boundary(
-    reduced: torch.Tensor,
-    residual: torch.Tensor,
-    post: torch.Tensor,
-    comb: torch.Tensor,
-    pre: torch.Tensor,
-    norm_weight: torch.Tensor,
-    norm_eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """DSV4.1 ``AllReduceMHC`` after the all-reduce: ``(residual_out, layer_input)``.
-
-    ``reduced`` is the BF16 all-reduced sublayer output. The collapse is
-    ``bf16(sum_j bf16(mixed_j) * pre[j])``, streams added in order from zero.
-    """
-    residual_out = post_mix(reduced, residual, post, comb)
-    streams = residual_out.float()
-    pre = pre.float()
-    collapse = torch.zeros_like(streams[:, 0])
-    for target in range(streams.shape[1]):
-        collapse = collapse + streams[:, target] * pre[:, target : target + 1]
-    return residual_out, rms_norm(collapse.to(torch.bfloat16), norm_weight, norm_eps)
-
-
-# ------------------------------------------------------------------- GLM-5.3
-def sigmoid(values: torch.Tensor) -> torch.Tensor:
-    return torch.sigmoid(values.float())
-
-
+# ----------------------------------------------------------------- Sinkhorn
 def sinkhorn(logits: torch.Tensor, eps: float, repeat: int) -> torch.Tensor:
     """The GLM seed's Sinkhorn on ``[..., 4, 4]`` logits, with exact division.
 
@@ -151,54 +122,3 @@ def sinkhorn(logits: torch.Tensor, eps: float, repeat: int) -> torch.Tensor:
             c = c * (1.0 / (pair_sum(c, -1) + eps))
         c = c * (1.0 / (pair_sum(c, -2) + eps))
     return c
-
-
-def glm5_mixes(streams: torch.Tensor, fn: torch.Tensor, rms_eps: float) -> torch.Tensor:
-    """Raw mixes ``[M, 24]``: ``(fn @ s) * rsqrt(sum(s^2) / (4 hidden) + rms_eps)`` over BF16 streams ``s``."""
-    flat = streams.float().reshape(streams.shape[0], -1)
-    rstd = torch.rsqrt((flat * flat).sum(-1, keepdim=True) / flat.shape[1] + rms_eps)
-    return (flat @ fn.float().t()) * rstd
-
-
-def glm5_side_mixes(
-    raw: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, *, hc_eps: float, post_mult: float, sinkhorn_repeat: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The side stream's ``(post_out [M, 4, 1], comb_out [M, 4, 4])`` from raw mixes."""
-    post_out = sigmoid(raw[:, 4:8] * scale[1] + base[4:8]) * post_mult
-    logits = (raw[:, 8:24] * scale[2] + base[8:24]).reshape(-1, HC_GLM, HC_GLM)
-    return post_out.unsqueeze(-1), sinkhorn(logits, hc_eps, sinkhorn_repeat)
-
-
-def glm5_boundary(
-    reduced: torch.Tensor,
-    residual: torch.Tensor,
-    post: torch.Tensor,
-    comb: torch.Tensor,
-    fn: torch.Tensor,
-    scale: torch.Tensor,
-    base: torch.Tensor,
-    norm_weight: torch.Tensor,
-    *,
-    rms_eps: float,
-    hc_eps: float,
-    post_mult: float,
-    sinkhorn_repeat: int,
-    norm_eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GLM-5.3 ``AllReduceMhcBoundary`` after the all-reduce.
-
-    Returns ``(residual_out, post_out, comb_out, layer_input, raw_mixes)``. The
-    collapse adds the four weighted streams as the kernel's lane butterfly does:
-    ``(t0 + t1) + (t2 + t3)``.
-    """
-    residual_out = post_mix(reduced, residual, post, comb)
-    raw = glm5_mixes(residual_out, fn, rms_eps)
-    pre = sigmoid(raw[:, 0:4] * scale[0] + base[0:4]) + hc_eps
-    streams = residual_out.float()
-    t = [streams[:, j] * pre[:, j : j + 1] for j in range(HC_GLM)]
-    collapse = ((t[0] + t[1]) + (t[2] + t[3])).to(torch.bfloat16)
-    layer_input = rms_norm(collapse, norm_weight, norm_eps)
-    post_out, comb_out = glm5_side_mixes(
-        raw, scale, base, hc_eps=hc_eps, post_mult=post_mult, sinkhorn_repeat=sinkhorn_repeat
-    )
-    return residual_out, post_out, comb_out, layer_input, raw

@@ -64,15 +64,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import registry
 from ..device.kernel import KernelSpec
 from ..device.signature import Signature, from_json, to_json
 from . import cache_files
 from .source_form import normal_form
 
-#: The packages whose modules enter a kernel's source hash.
-PROJECT_PACKAGES = ("mhc_core", "mhc_dsv41", "mhc_glm5")
-#: The model packages whose ``kernels/`` folders are searched.
-MODEL_PACKAGES = ("mhc_dsv41", "mhc_glm5")
+
+def model_packages() -> tuple[str, ...]:
+    """The model packages whose ``kernels/`` folders are searched: the registered ones (``mhc_core.registry``)."""
+    return registry.packages()
+
+
+def project_packages() -> tuple[str, ...]:
+    """The packages whose modules enter a kernel's source hash: mhc-core and the model packages."""
+    return ("mhc_core", *model_packages())
+
+
 MANIFEST = "manifest.json"
 #: 2: every kernel's entry carries its signature (1: keys only); the library's ``size`` and
 #: ``sha256`` are optional fields of format 2 (an older mhc-core ignores them, a newer one checks them).
@@ -182,8 +190,9 @@ def _imports(module: str, path: Path, tree: ast.AST) -> Iterator[str]:
             names = [base] + [f"{base}.{alias.name}" for alias in node.names]
         else:
             continue
+        project = project_packages()
         for name in names:
-            if name.split(".")[0] in PROJECT_PACKAGES:
+            if name.split(".")[0] in project:
                 yield name
 
 
@@ -337,7 +346,7 @@ def write_manifest(
 def manifests() -> list[Path]:
     """Every ``kernels/<arch>/manifest.json`` of the importable model packages (none imported)."""
     found = []
-    for package in MODEL_PACKAGES:
+    for package in model_packages():
         spec = importlib.util.find_spec(package)
         if spec is None or not spec.submodule_search_locations:
             continue
@@ -383,7 +392,7 @@ def _is_module(name: Any) -> bool:
     """A dotted name in a project package (what a manifest's ``sources`` may name)."""
     return (
         isinstance(name, str)
-        and name.split(".")[0] in PROJECT_PACKAGES
+        and name.split(".")[0] in project_packages()
         and all(part.isidentifier() for part in name.split("."))
     )
 
