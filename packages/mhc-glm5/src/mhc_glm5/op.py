@@ -123,6 +123,11 @@ class AllReduceMhcBoundary(LamportOp):
 
     #: The layer input's format (``layer_input_format``, ``layer_input_bf16``); BF16 unless built with one.
     layer_input = LayerInput()
+    #: The op's own device buffers (the hand-off rows, the raw mixes, the boundaries' arrival counter):
+    #: ``close()`` drops them and keeps them for a captured graph's replays (``mhc_core.host.lifetime``).
+    model_device_state = ("_mixes_handoff", "_raw_mixes", "_arrivals")
+    #: The mixes kernel's side stream and what it holds until joined (``mhc_core.host.streams.SideWork``).
+    _side_work: SideWork
 
     @collective
     def __init__(
@@ -320,9 +325,6 @@ class AllReduceMhcBoundary(LamportOp):
     def persistent(self, m: int) -> bool:
         """Whether a call with M tokens takes the persistent boundary (``persistent_min_tokens``)."""
         return self.routing.select(m).persistent
-
-    def _side(self) -> tuple[int, int]:
-        return self._side_work.handle, self._side_work.fork_handle
 
     def _side_tensors(self, values: Sequence[object], outputs: Sequence[torch.Tensor]) -> tuple[Any, ...]:
         # post_out, comb_out, scale, base: what the mixes kernel uses.
