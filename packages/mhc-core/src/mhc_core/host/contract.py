@@ -10,12 +10,28 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from .calls import Rule, TensorRule
 from .programs import Launch, Source
+
+
+class OpPreset(Protocol):
+    """What the core reads of a model's preset (``LamportOp._init_from_preset``): every model's preset
+    has these fields; the rest is the model's."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def hidden(self) -> int: ...
+    @property
+    def tp(self) -> int: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def publish_threads(self) -> int: ...
 
 
 class ModelOp(ABC):

@@ -75,7 +75,7 @@ from . import artifacts, library
 from .allocation import choose_allocation, device_identity, requested_allocation
 from .call_forms import CallForms, Programs
 from .compiler import LOG, CompiledKernel, KernelSpec, compile_kernel, device_arch
-from .contract import ModelOp
+from .contract import ModelOp, OpPreset
 from .eager import EagerCalls
 from .groups import SUPPORTED_TP, normalize_device, resolve_group
 from .lifetime import _CAPTURED, _RETIRED, Lifetime, OpPoisonedError
@@ -175,6 +175,26 @@ class LamportOp(CallForms, EagerCalls, TwoPhaseCalls, WarmUp, Lifetime, ModelOp)
         self._closed = False
         self._peers_ready = False
         self._init_call_state()
+
+    def _init_from_preset(
+        self,
+        preset: OpPreset,
+        *,
+        publish_trigger: str,
+        max_num_tokens: int,
+        device: torch.device | str | int,
+        group: Any = None,
+        **options: Any,
+    ) -> None:
+        """``__init__`` for an op built from a preset (a model's ``from_config``): the preset's hidden
+        size, top_k and publish threads, the core's ``options``. The group's size must be the preset's
+        tp (checked here, before anything is built)."""
+        LamportOp.__init__(
+            self, hidden_size=preset.hidden, max_num_tokens=max_num_tokens, device=device, group=group,
+            top_k=preset.top_k, publish_trigger=publish_trigger, publish_threads=preset.publish_threads, **options,
+        )  # fmt: skip
+        if self.tp != preset.tp:
+            raise ValueError(f"group: preset {preset.name!r} is for tp = {preset.tp}, the group has tp = {self.tp}")
 
     def _init_call_state(self) -> None:
         """The host state every call path shares (see the module docstring, "Threads", "Exceptions")."""
