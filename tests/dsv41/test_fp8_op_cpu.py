@@ -96,11 +96,11 @@ def test_from_config_takes_the_presets_option_and_an_explicit_one_replaces_it(mo
 
     seen = []
 
-    def fake_init(self, **kwargs):
-        seen.append({key: kwargs.get(key) for key in ("layer_input_format", "layer_input_bf16")})
-        self.tp = kwargs["group"] if kwargs["group"] is not None else 1
+    def fake_build(self, preset, **options):  # the one path every op takes, from its preset
+        seen.append({key: getattr(preset, key) for key in ("layer_input_format", "layer_input_bf16")})
 
-    monkeypatch.setattr(AllReduceMHC, "__init__", fake_init)
+    monkeypatch.setattr(AllReduceMHC, "_init_from_preset", lambda self, preset, **options: None)
+    monkeypatch.setattr(AllReduceMHC, "_build", lambda self, preset, *args, **options: fake_build(self, preset))
     preset = dataclasses.replace(
         presets.get("h200-tp1-h5120").PRESET, layer_input_format="ue8m0-g128-packed", layer_input_bf16=True
     )

@@ -99,11 +99,11 @@ def test_from_config_takes_the_presets_option_and_an_explicit_one_replaces_it(mo
 
     seen = []
 
-    def fake_init(self, **kwargs):
-        seen.append({key: kwargs.get(key) for key in ("layer_input_format", "layer_input_bf16")})
-        self.tp = kwargs["group"] if kwargs["group"] is not None else 1
+    def fake_build(self, preset, **options):  # the one path every op takes, from its preset
+        seen.append({key: getattr(preset, key) for key in ("layer_input_format", "layer_input_bf16")})
 
-    monkeypatch.setattr(AllReduceMhcBoundary, "__init__", fake_init)
+    monkeypatch.setattr(AllReduceMhcBoundary, "_init_from_preset", lambda self, preset, **options: None)
+    monkeypatch.setattr(AllReduceMhcBoundary, "_build", lambda self, preset, *args, **options: fake_build(self, preset))
     preset = dataclasses.replace(
         presets.get("h200-tp1-h4096").PRESET, layer_input_format="ue8m0-g128-packed", layer_input_bf16=True
     )
@@ -114,9 +114,9 @@ def test_from_config_takes_the_presets_option_and_an_explicit_one_replaces_it(mo
     AllReduceMhcBoundary.from_preset("h200-tp1-h4096", max_num_tokens=8, device="cuda")
     assert seen == [
         {"layer_input_format": "ue8m0-g128-packed", "layer_input_bf16": True},
-        {"layer_input_format": "mx-g32", "layer_input_bf16": None},  # the format given: not the preset's copy
+        {"layer_input_format": "mx-g32", "layer_input_bf16": False},  # the format given: not the preset's copy
         {"layer_input_format": "ue8m0-g128-packed", "layer_input_bf16": False},
-        {"layer_input_format": "fp32-g128", "layer_input_bf16": None},
+        {"layer_input_format": "fp32-g128", "layer_input_bf16": False},
         {"layer_input_format": "bf16", "layer_input_bf16": False},
     ]
 

@@ -8,6 +8,8 @@ The code generator adds the file and the preset's name.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from .constants import SUPPORTED_ARCHS, VEC_BF16
 
@@ -43,6 +45,19 @@ class PresetError(ValueError):
         self.key = key
         self.rule = rule
         self.value = value
+
+
+P = TypeVar("P")
+
+
+def argument_preset(build: Callable[..., P], *args: Any, **fields: Any) -> P:
+    """``build(*args, **fields)`` (a preset class, or ``dataclasses.replace``) from an op's arguments:
+    a broken rule raises a ``ValueError`` named by field, as an argument's error is (not a
+    ``PresetError`` naming a file's key)."""
+    try:
+        return build(*args, **fields)
+    except PresetError as error:
+        raise ValueError(f"{error.key}: {error.rule}; got {error.value!r}") from None
 
 
 def require(condition: bool, key: str, rule: str, value: object) -> None:

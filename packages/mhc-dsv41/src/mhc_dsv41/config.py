@@ -17,10 +17,11 @@ covers the token in one trip, else 8 CTAs and several trips.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from mhc_core.constants import VEC_BF16, WARP_SIZE
+from mhc_core.constants import SUPPORTED_ARCHS, VEC_BF16, WARP_SIZE
 from mhc_core.presets import (
     CTA_RESERVED_SHARED_BYTES,
     MAX_CLUSTER_SIZE,
@@ -30,6 +31,7 @@ from mhc_core.presets import (
     SM_SHARED_BYTES,
     SM_THREADS,
     PresetError,
+    argument_preset,
     require,
     require_archs,
     require_hidden,
@@ -264,8 +266,8 @@ class DSV41Preset(CollectiveGeometry):
         require_positive_float("norm_eps", self.norm_eps)
         require_archs(self.archs)
         require(isinstance(self.tuned, bool), "tuned", "must be true or false", self.tuned)
-        require(
-            self.trips * self.hc <= MAX_TRIP_STREAMS,
+        require(  # a bound for the presets shipped; a plain constructor's geometry needs only MHCConfig's
+            self.name == CUSTOM or self.trips * self.hc <= MAX_TRIP_STREAMS,
             "cluster_size",
             f"trips x hc must be <= {MAX_TRIP_STREAMS} (each trip stages hc residual fragments in shared memory); "
             f"trips = {self.trips}, hc = {self.hc}",
@@ -338,6 +340,41 @@ class DSV41Preset(CollectiveGeometry):
             "collective": (COLLECTIVE_KERNEL, self.collective_config()),
             "collective_persistent": (COLLECTIVE_KERNEL, self.collective_config(persistent=True)),
         }
+
+
+#: The name of the preset a plain ``AllReduceMHC(...)`` describes (``custom_preset``).
+CUSTOM = "custom"
+
+
+def custom_preset(
+    *,
+    tp: int,
+    hidden: int,
+    hc: int,
+    top_k: int,
+    norm_eps: float,
+    publish_threads: int,
+    layer_input_format: str,
+    layer_input_bf16: bool,
+    **geometry: int,
+) -> DSV41Preset:
+    """The preset a plain ``AllReduceMHC(...)`` describes (``name="custom"``; the first supported arch:
+    no rule depends on it). ``geometry``: ``cluster_size``, ``threads``, ``rank_lanes``, any of them
+    (the others ``default_geometry``'s). Checked by the collective's rules first (``MHCConfig``: its
+    messages), then by a preset's: a ``ValueError`` naming the field."""
+    geometry = {**default_geometry(hidden, hc, tp), **geometry}
+    layer_input = {"layer_input_format": layer_input_format, "layer_input_bf16": layer_input_bf16}
+    MHCConfig(hidden=hidden, hc=hc, tp=tp, **geometry, **layer_input)
+    return argument_preset(
+        DSV41Preset, name=CUSTOM, hidden=hidden, hc=hc, tp=tp, top_k=top_k, norm_eps=norm_eps,
+        archs=SUPPORTED_ARCHS[:1], publish_threads=publish_threads, **geometry, **layer_input,
+    )  # fmt: skip
+
+
+def preset_with(preset: DSV41Preset, **changes: Any) -> DSV41Preset:
+    """``preset`` with ``changes`` (an op's options over a generated preset), checked like
+    ``custom_preset``."""
+    return argument_preset(dataclasses.replace, preset, **changes)
 
 
 @dataclass(frozen=True, slots=True)

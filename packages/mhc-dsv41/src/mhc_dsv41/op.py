@@ -23,7 +23,7 @@ import torch
 from mhc_core.device.configs import TRIGGER_AFTER_STORES
 from mhc_core.host.calls import IN_PLACE_LAYER_INPUT, M, Rule, ScalarRule, TensorRule, tensor
 from mhc_core.host.compiler import KernelSpec
-from mhc_core.host.layer_input import LayerInput
+from mhc_core.host.layer_input import LayerInput, preset_changes
 from mhc_core.host.moe import MoEOutput
 from mhc_core.host.op import MAX_NUM_TOKENS, LamportOp
 from mhc_core.host.programs import Fixed, Launch, Pointer, Scalar, Source, pointers
@@ -39,9 +39,13 @@ from .config import (
     DSV41Preset,
     MHCConfig,
     collective_routing,
-    default_geometry,
+    custom_preset,
+    preset_with,
     resident_clusters,
 )
+
+#: The preset fields ``from_config`` takes as options (the rest are the preset's own).
+PRESET_OPTIONS = ("norm_eps", "layer_input_format", "layer_input_bf16")
 
 #: ``(residual_out, layer_input)``; with an FP8 layer input ``(residual_out, q, scales)`` or
 #: ``(residual_out, q, scales, layer_input)`` (module docstring).
@@ -115,15 +119,8 @@ class AllReduceMHC(LamportOp):
         layer_input_format: str = "bf16",
         layer_input_bf16: bool = False,
     ) -> None:
-        self.hc_mult = check_int("hc_mult", hc_mult, minimum=1, maximum=16)
-        if clusters is not None:
-            check_int("clusters", clusters, minimum=1, maximum=INT32_MAX)  # an Int32 kernel parameter
-        if persistent_min_tokens is not None:  # above MAX_NUM_TOKENS no call reaches it
-            check_int("persistent_min_tokens", persistent_min_tokens, minimum=1, maximum=MAX_NUM_TOKENS)
-        self.persistent_min_tokens = PERSISTENT_MIN_TOKENS if persistent_min_tokens is None else persistent_min_tokens
-        #: Which collective serves M tokens: the call's launch gets its thresholds and its targets' kernels.
-        self.routing = collective_routing(self.persistent_min_tokens)
-        self.norm_eps = check_positive_float("norm_eps", norm_eps)
+        check_int("hc_mult", hc_mult, minimum=1, maximum=16)
+        norm_eps = check_positive_float("norm_eps", norm_eps)
         check_int("top_k", top_k, minimum=1, maximum=MAX_TOP_K)
         super().__init__(
             hidden_size=hidden_size,
@@ -138,18 +135,39 @@ class AllReduceMHC(LamportOp):
             check_routes=check_routes,
             mailbox_allocation=mailbox_allocation,
         )
-        self.layer_input = LayerInput.checked(layer_input_format, layer_input_bf16, self.hidden_size)
-        self._quantizes = self.layer_input.quantizes
-        geometry: dict[str, Any] = dict(default_geometry(hidden_size, hc_mult, self.tp))
+        LayerInput.checked(layer_input_format, layer_input_bf16, self.hidden_size)  # named as the option
+        geometry: dict[str, int] = {}
         for key, value in (("cluster_size", cluster_size), ("threads", threads), ("rank_lanes", rank_lanes)):
             if value is not None:
                 geometry[key] = check_int(key, value, minimum=1)
-        if staged_tokens is not None:
-            geometry["staged_tokens"] = check_int("staged_tokens", staged_tokens, minimum=2, maximum=4)
-        self.config = MHCConfig(
-            hidden=hidden_size, hc=hc_mult, tp=self.tp, **geometry, layer_input_format=self.layer_input.format,
-            layer_input_bf16=self.layer_input.keep_bf16,
+        # The preset these arguments describe, then the one path every op takes (``from_config``'s too).
+        preset = custom_preset(
+            tp=self.tp, hidden=hidden_size, hc=hc_mult, top_k=top_k, norm_eps=norm_eps,
+            publish_threads=publish_threads, layer_input_format=layer_input_format,
+            layer_input_bf16=layer_input_bf16, **geometry,
         )  # fmt: skip
+        self._build(preset, persistent_min_tokens=persistent_min_tokens, clusters=clusters, staged_tokens=staged_tokens)
+
+    def _build(
+        self, preset: DSV41Preset, *, persistent_min_tokens: int | None, clusters: int | None, staged_tokens: int | None
+    ) -> None:
+        """Build the op of ``preset`` (``LamportOp.__init__`` done): kernels, mailbox, warm-up."""
+        if clusters is not None:
+            check_int("clusters", clusters, minimum=1, maximum=INT32_MAX)  # an Int32 kernel parameter
+        if persistent_min_tokens is not None:  # above MAX_NUM_TOKENS no call reaches it
+            check_int("persistent_min_tokens", persistent_min_tokens, minimum=1, maximum=MAX_NUM_TOKENS)
+        self.persistent_min_tokens = PERSISTENT_MIN_TOKENS if persistent_min_tokens is None else persistent_min_tokens
+        #: Which collective serves M tokens: the call's launch gets its thresholds and its targets' kernels.
+        self.routing = collective_routing(self.persistent_min_tokens)
+        fields = preset.collective_config()
+        if staged_tokens is not None:
+            fields["staged_tokens"] = check_int("staged_tokens", staged_tokens, minimum=2, maximum=4)
+        self.hc_mult = preset.hc
+        self.norm_eps = preset.norm_eps
+        self.layer_input = LayerInput.checked(preset.layer_input_format, preset.layer_input_bf16, self.hidden_size)
+        self._quantizes = self.layer_input.quantizes
+        self.preset = preset
+        self.config = MHCConfig(**fields)
         persistent = dataclasses.replace(self.config, persistent=True)
         self._build_publishes()  # every argument checked: from here on the device is touched
         if clusters is None:
@@ -175,30 +193,29 @@ class AllReduceMHC(LamportOp):
         max_num_tokens: int,
         device: torch.device | str | int,
         group: Any = None,
+        persistent_min_tokens: int | None = None,
+        clusters: int | None = None,
+        staged_tokens: int | None = None,
         **options: Any,
     ) -> AllReduceMHC:
-        """An op with a preset's geometry (and layer-input format: ``options`` giving
-        ``layer_input_format`` replace both of the preset's fields); the group's size must be the
-        preset's tp."""
+        """An op of a preset (a plain constructor builds a ``"custom"`` one and takes the same path).
+        ``options``: the core's (``transport``, ``spin_timeout_ms``, ``check_routes``,
+        ``mailbox_allocation``), ``persistent_min_tokens``, ``clusters``, ``staged_tokens``, and the
+        preset fields an op may override: ``norm_eps`` and the layer input (``layer_input_format``
+        given replaces both of the preset's fields). The group's size must be the preset's tp."""
         warn_if_untuned(preset)
-        layer_input: dict[str, Any] = {"layer_input_bf16": False}
-        if "layer_input_format" not in options:
-            layer_input = {"layer_input_format": preset.layer_input_format, "layer_input_bf16": preset.layer_input_bf16}
-        op = cls(
-            hidden_size=preset.hidden,
-            hc_mult=preset.hc,
-            max_num_tokens=max_num_tokens,
-            top_k=preset.top_k,
-            device=device,
-            group=group,
-            cluster_size=preset.cluster_size,
-            threads=preset.threads,
-            rank_lanes=preset.rank_lanes,
-            publish_threads=preset.publish_threads,
-            **{"norm_eps": preset.norm_eps, **layer_input, **options},
-        )
-        if op.tp != preset.tp:
-            raise ValueError(f"group: preset {preset.name!r} is for tp = {preset.tp}, the group has tp = {op.tp}")
+        if "norm_eps" in options:
+            options["norm_eps"] = check_positive_float("norm_eps", options["norm_eps"])  # named as the argument
+        changes = preset_changes(preset, options, PRESET_OPTIONS)
+        op = cls.__new__(cls)
+        op._init_from_preset(
+            preset, publish_trigger=TRIGGER_AFTER_STORES, max_num_tokens=max_num_tokens, device=device, group=group,
+            **options,
+        )  # fmt: skip
+        op._build(
+            preset_with(preset, **changes) if changes else preset, persistent_min_tokens=persistent_min_tokens,
+            clusters=clusters, staged_tokens=staged_tokens,
+        )  # fmt: skip
         return op
 
     @classmethod

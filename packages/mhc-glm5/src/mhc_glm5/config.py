@@ -28,17 +28,19 @@ CTA's warps that hold it, through ``layer_input_scratch_bytes`` of shared memory
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mhc_core.constants import VEC_BF16, WARP_SIZE
+from mhc_core.constants import SUPPORTED_ARCHS, VEC_BF16, WARP_SIZE
 from mhc_core.presets import (
     MAX_CLUSTER_SIZE,
     MAX_SHARED_BYTES,
     MAX_TOP_K,
     SM_SHARED_BYTES,
     PresetError,
+    argument_preset,
     require,
     require_archs,
     require_hidden,
@@ -585,6 +587,59 @@ class GLM5Preset:
         return specs
 
 
+def custom_preset(
+    *,
+    tp: int,
+    hidden: int,
+    top_k: int,
+    cluster_size: int,
+    cluster_tokens: Any,
+    rms_eps: float,
+    hc_eps: float,
+    post_mult: float,
+    sinkhorn_repeat: int,
+    norm_eps: float,
+    publish_threads: int,
+    mixes_threads: int,
+    persistent_min_tokens: int | None,
+    layer_input_format: str,
+    layer_input_bf16: bool,
+) -> GLM5Preset:
+    """The preset a plain ``AllReduceMhcBoundary(...)`` describes (``name="custom"``; the first supported
+    arch: no rule depends on it), checked by every rule a preset obeys: a ``ValueError`` naming the
+    field. ``cluster_tokens`` may be the reference's ``{M: tokens}`` mapping; entries of any length
+    pass through (the preset's rule names a malformed one)."""
+    if isinstance(cluster_tokens, Mapping):
+        cluster_tokens = thresholds_from_mapping(cluster_tokens)
+    return argument_preset(
+        GLM5Preset,
+        name="custom",
+        hidden=hidden,
+        hc=HC,
+        tp=tp,
+        top_k=top_k,
+        cluster_size=cluster_size,
+        cluster_tokens=tuple(tuple(entry) for entry in (cluster_tokens or ())),
+        rms_eps=rms_eps,
+        hc_eps=hc_eps,
+        post_mult=post_mult,
+        sinkhorn_repeat=sinkhorn_repeat,
+        norm_eps=norm_eps,
+        archs=SUPPORTED_ARCHS[:1],
+        publish_threads=publish_threads,
+        mixes_threads=mixes_threads,
+        persistent_min_tokens=0 if persistent_min_tokens is None else persistent_min_tokens,
+        layer_input_format=layer_input_format,
+        layer_input_bf16=layer_input_bf16,
+    )
+
+
+def preset_with(preset: GLM5Preset, **changes: Any) -> GLM5Preset:
+    """``preset`` with ``changes`` (an op's options over a generated preset), checked like
+    ``custom_preset``."""
+    return argument_preset(dataclasses.replace, preset, **changes)
+
+
 __all__ = [
     "HC",
     "MIX",
@@ -593,5 +648,7 @@ __all__ = [
     "GLM5Preset",
     "PresetError",
     "boundary_routing",
+    "custom_preset",
+    "preset_with",
     "thresholds_from_mapping",
 ]

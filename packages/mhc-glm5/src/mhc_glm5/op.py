@@ -40,18 +40,17 @@ from typing import Any, cast
 
 import torch
 
-from mhc_core.constants import SUPPORTED_ARCHS
 from mhc_core.device.configs import TRIGGER_AFTER_WAIT
 from mhc_core.host.calls import IN_PLACE_LAYER_INPUT, M, Rule, TensorRule, tensor
 from mhc_core.host.compiler import CompiledKernel, KernelSpec
-from mhc_core.host.layer_input import LayerInput
+from mhc_core.host.layer_input import LayerInput, preset_changes
 from mhc_core.host.moe import MoEOutput
 from mhc_core.host.op import MAX_NUM_TOKENS, LamportOp
 from mhc_core.host.programs import DIM_M, Fixed, Launch, Pointer, Source, pointers
 from mhc_core.host.startup import collective
 from mhc_core.host.streams import SideWork
 from mhc_core.host.validation import INT32_MAX, check_int
-from mhc_core.presets import MAX_TOP_K, PresetError, warn_if_untuned
+from mhc_core.presets import MAX_TOP_K, warn_if_untuned
 
 from . import library  # noqa: F401  (registers the mhc::glm5_* custom ops)
 from .config import (
@@ -59,8 +58,9 @@ from .config import (
     MIX,
     BoundaryTarget,
     GLM5Preset,
+    custom_preset,
     persistent_clusters,
-    thresholds_from_mapping,
+    preset_with,
 )
 
 #: ``(residual_out, post_out, comb_out, layer_input)``; with an FP8 layer input ``(residual_out,
@@ -79,7 +79,8 @@ OUTPUT_ALIASES = (("residual",), (), ())
 LAYER_INPUT_OUTPUT = len(OUTPUT_NAMES)
 
 
-Thresholds = tuple[tuple[int, int], ...]
+#: The preset fields ``from_config`` takes as options (the rest are the preset's own).
+PRESET_OPTIONS = ("persistent_min_tokens", "layer_input_format", "layer_input_bf16")
 
 
 def _check_thresholds(preset: GLM5Preset) -> None:
@@ -123,6 +124,11 @@ class AllReduceMhcBoundary(LamportOp):
 
     #: The layer input's format (``layer_input_format``, ``layer_input_bf16``); BF16 unless built with one.
     layer_input = LayerInput()
+    #: The op's own device buffers (the hand-off rows, the raw mixes, the boundaries' arrival counter):
+    #: ``close()`` drops them and keeps them for a captured graph's replays (``mhc_core.host.lifetime``).
+    model_device_state = ("_mixes_handoff", "_raw_mixes", "_arrivals")
+    #: The mixes kernel's side stream and what it holds until joined (``mhc_core.host.streams.SideWork``).
+    _side_work: SideWork
 
     @collective
     def __init__(
@@ -152,8 +158,6 @@ class AllReduceMhcBoundary(LamportOp):
         layer_input_bf16: bool = False,
     ) -> None:
         check_int("top_k", top_k, minimum=1, maximum=MAX_TOP_K)
-        if clusters is not None:
-            check_int("clusters", clusters, minimum=1, maximum=INT32_MAX)  # an Int32 kernel parameter
         super().__init__(
             hidden_size=hidden_size,
             max_num_tokens=max_num_tokens,
@@ -167,35 +171,22 @@ class AllReduceMhcBoundary(LamportOp):
             check_routes=check_routes,
             mailbox_allocation=mailbox_allocation,
         )
-        self.layer_input = LayerInput.checked(layer_input_format, layer_input_bf16, self.hidden_size)
-        if isinstance(cluster_tokens, Mapping):
-            cluster_tokens = thresholds_from_mapping(cluster_tokens)
+        LayerInput.checked(layer_input_format, layer_input_bf16, self.hidden_size)  # named as the option
         # Every hidden / cluster rule the presets obey, checked the same way, before anything is
-        # built (for the first supported arch: the rules do not depend on it), named by argument.
-        try:
-            preset = GLM5Preset(
-                name="custom",
-                hidden=hidden_size,
-                hc=HC,
-                tp=self.tp,
-                top_k=top_k,
-                cluster_size=cluster_size,
-                # Entries of any length pass through: the preset's rule names a malformed one.
-                cluster_tokens=cast(Thresholds, tuple(tuple(entry) for entry in (cluster_tokens or ()))),
-                rms_eps=rms_eps,
-                hc_eps=hc_eps,
-                post_mult=post_mult,
-                sinkhorn_repeat=sinkhorn_repeat,
-                norm_eps=norm_eps,
-                archs=SUPPORTED_ARCHS[:1],
-                publish_threads=publish_threads,
-                mixes_threads=mixes_threads,
-                persistent_min_tokens=0 if persistent_min_tokens is None else persistent_min_tokens,
-                layer_input_format=self.layer_input.format,
-                layer_input_bf16=self.layer_input.keep_bf16,
-            )
-        except PresetError as error:
-            raise ValueError(f"{error.key}: {error.rule}; got {error.value!r}") from None
+        # built, named by argument; then the one path every op takes (``from_config``'s too).
+        preset = custom_preset(
+            tp=self.tp, hidden=hidden_size, top_k=top_k, cluster_size=cluster_size, cluster_tokens=cluster_tokens,
+            rms_eps=rms_eps, hc_eps=hc_eps, post_mult=post_mult, sinkhorn_repeat=sinkhorn_repeat, norm_eps=norm_eps,
+            publish_threads=publish_threads, mixes_threads=mixes_threads, persistent_min_tokens=persistent_min_tokens,
+            layer_input_format=layer_input_format, layer_input_bf16=layer_input_bf16,
+        )  # fmt: skip
+        self._build(preset, clusters)
+
+    def _build(self, preset: GLM5Preset, clusters: int | None) -> None:
+        """Build the op of ``preset`` (``LamportOp.__init__`` done): kernels, buffers, mailbox, warm-up."""
+        if clusters is not None:
+            check_int("clusters", clusters, minimum=1, maximum=INT32_MAX)  # an Int32 kernel parameter
+        self.layer_input = LayerInput.checked(preset.layer_input_format, preset.layer_input_bf16, self.hidden_size)
         _check_thresholds(preset)
         self.preset = preset  # what the startup's config vote compares (``_model_fingerprint``)
         self._build_publishes()
@@ -228,7 +219,10 @@ class AllReduceMhcBoundary(LamportOp):
 
     def _model_fingerprint(self) -> dict[str, Any]:
         fields = dataclasses.asdict(self.preset)
-        return {"preset": {key: value for key, value in fields.items() if key not in ("name", "archs", "tuned")}}
+        # What names or describes the preset is not the op's: a plain constructor's "custom" preset and
+        # a generated one of the same values vote alike.
+        named = ("name", "archs", "tuned", "description")
+        return {"preset": {key: value for key, value in fields.items() if key not in named}}
 
     @classmethod
     @collective
@@ -239,35 +233,24 @@ class AllReduceMhcBoundary(LamportOp):
         max_num_tokens: int,
         device: torch.device | str | int,
         group: Any = None,
+        clusters: int | None = None,
         **options: Any,
     ) -> AllReduceMhcBoundary:
-        """An op with a preset's constants and geometry (and layer-input format: ``options`` giving
-        ``layer_input_format`` replace both of the preset's fields); the group's size must be the
-        preset's tp."""
+        """An op of a preset (a plain constructor builds a ``"custom"`` one and takes the same path).
+        ``options``: the core's (``transport``, ``spin_timeout_ms``, ``check_routes``,
+        ``mailbox_allocation``), ``clusters``, and the preset fields an op may override:
+        ``persistent_min_tokens`` and the layer input (``layer_input_format`` given replaces both of
+        the preset's fields). The group's size must be the preset's tp."""
         warn_if_untuned(preset)
-        layer_input: dict[str, Any] = {}
-        if "layer_input_format" not in options:
-            layer_input = {"layer_input_format": preset.layer_input_format, "layer_input_bf16": preset.layer_input_bf16}
-        op = cls(
-            hidden_size=preset.hidden,
-            max_num_tokens=max_num_tokens,
-            rms_eps=preset.rms_eps,
-            hc_eps=preset.hc_eps,
-            post_mult=preset.post_mult,
-            sinkhorn_repeat=preset.sinkhorn_repeat,
-            norm_eps=preset.norm_eps,
-            device=device,
-            top_k=preset.top_k,
-            cluster_size=preset.cluster_size,
-            cluster_tokens=preset.cluster_tokens,
-            persistent_min_tokens=options.pop("persistent_min_tokens", preset.persistent_min_tokens),
-            group=group,
-            publish_threads=preset.publish_threads,
-            mixes_threads=preset.mixes_threads,
-            **{**layer_input, **options},
-        )
-        if op.tp != preset.tp:
-            raise ValueError(f"group: preset {preset.name!r} is for tp = {preset.tp}, the group has tp = {op.tp}")
+        changes = preset_changes(preset, options, PRESET_OPTIONS)
+        if changes.get("persistent_min_tokens", 0) is None:
+            changes["persistent_min_tokens"] = 0
+        op = cls.__new__(cls)
+        op._init_from_preset(
+            preset, publish_trigger=TRIGGER_AFTER_WAIT, max_num_tokens=max_num_tokens, device=device, group=group,
+            **options,
+        )  # fmt: skip
+        op._build(preset_with(preset, **changes) if changes else preset, clusters)
         return op
 
     @classmethod
@@ -320,9 +303,6 @@ class AllReduceMhcBoundary(LamportOp):
     def persistent(self, m: int) -> bool:
         """Whether a call with M tokens takes the persistent boundary (``persistent_min_tokens``)."""
         return self.routing.select(m).persistent
-
-    def _side(self) -> tuple[int, int]:
-        return self._side_work.handle, self._side_work.fork_handle
 
     def _side_tensors(self, values: Sequence[object], outputs: Sequence[torch.Tensor]) -> tuple[Any, ...]:
         # post_out, comb_out, scale, base: what the mixes kernel uses.

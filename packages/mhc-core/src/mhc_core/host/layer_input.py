@@ -183,3 +183,17 @@ class LayerInput:
             rows = _align(m, 4)
             return base.new_empty((packs * rows,), dtype=torch.int32).as_strided((m, packs), (1, rows))
         return base.new_empty((_align(m, 128) * 4 * packs,), dtype=torch.uint8)
+
+
+def preset_changes(preset: Any, options: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    """Pop from ``options`` (a model's ``from_config`` keywords) the preset fields ``names`` an op may
+    override, as ``dataclasses.replace`` changes. ``layer_input_format`` given replaces both of the
+    preset's layer-input fields (``layer_input_bf16`` False unless given too); a layer-input change
+    is checked as the option (``LayerInput.checked``), before the preset's own rules."""
+    changes = {name: options.pop(name) for name in names if name in options}
+    if "layer_input_format" in changes:
+        changes.setdefault("layer_input_bf16", False)
+    if "layer_input_bf16" in changes:
+        fmt = changes.get("layer_input_format", preset.layer_input_format)
+        LayerInput.checked(fmt, changes["layer_input_bf16"], preset.hidden)
+    return changes

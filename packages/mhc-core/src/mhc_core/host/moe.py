@@ -28,3 +28,7 @@ class MoEOutput:
     expert_weights: torch.Tensor
     expanded_idx_to_permuted_idx: torch.Tensor
     shared_output: torch.Tensor
+
+
+#: The MoE expert output's fields in the order a program takes them (the first binds M).
+MOE_FIELDS = ("shared_output", "gemm2_permuted", "expert_weights", "expanded_idx_to_permuted_idx")
