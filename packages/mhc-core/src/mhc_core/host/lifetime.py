@@ -32,6 +32,10 @@ class OpPoisonedError(RuntimeError):
 class Lifetime:
     """Usability, poisoning and ``close()`` (a mixin of ``LamportOp``)."""
 
+    # Set by ``LamportOp.__init__``; declared for type checkers (a mixin's first assignment fixes them).
+    _poisoned: str | None
+    _peers_ready: bool
+
     def _call_failed(self, error: BaseException) -> None:
         """A call path raised. Before its launch (rejected by the native checks, or failed earlier)
         nothing changed; from its launch on, the op poisons itself (see the module docstring)."""

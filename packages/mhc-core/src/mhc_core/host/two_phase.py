@@ -26,6 +26,9 @@ class Plan:
 class TwoPhaseCalls:
     """``publish``, ``collect`` and ``plan`` (a mixin of ``LamportOp``)."""
 
+    #: The pending publish's M, or None (set by ``LamportOp.__init__``; declared for type checkers).
+    _pending_m: int | None
+
     def publish(self, x: torch.Tensor | MoEOutput) -> None:
         """Phase one: publish this rank's partial (or MoE output) for the next ``collect``. Until
         that collect (from any thread), every other call of the op raises."""
