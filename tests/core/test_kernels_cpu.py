@@ -141,3 +141,12 @@ def test_no_ptx_text_outside_the_primitives_module() -> None:
 def test_the_ptx_check_sees_asm_strings() -> None:
     source = 'X = "ld.volatile.global.v4.u32 {$0}, [$1];"\n'
     assert any(PTX_PATTERN.search(node.value) for node in string_literals(ast.parse(source)))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp8_division_check_kernel(arch: str) -> None:
+    """The GPU test's exhaustive division check compiles, both ways of dividing in it."""
+    from tests.core.fp8_division_kernel import DivisionConfig, DivisionKernel
+
+    ptx = compiled(DivisionKernel(DivisionConfig()), arch)
+    assert count(ptx, "div.rn.f32") >= 2 and count(ptx, "rcp.approx.ftz.f32") >= 1  # the scale and the check (unrolled)

@@ -6,7 +6,8 @@ What the PTX must show per fragment a thread quantises (``QUANTISED``: one a tok
 kernels' lane 0, one a token for each lane of the tensor-core ones; the persistent boundary traces
 its store twice, in the loop and after it): 4 ``cvt.rn.satfinite.e4m3x2.f32`` (8 codes), one 8-byte
 ``q`` store, 3 ``max.u16x2`` (the fragment's absmax) and the group's butterfly shuffles; ``fp32-g128``
-divides with ``div.rn.f32`` (the scale and 8 values), the UE8M0 formats once (the scale) and store one
+divides the scale with ``div.rn.f32`` and its 8 values through one shared ``rcp.approx`` (8
+``div.rn.f32`` for a scale that is not normal), the UE8M0 formats once (the scale) and store one
 exponent byte; a 128-column group adds one CTA barrier per store (its warps' maxima exchanged).
 """
 
@@ -311,15 +312,19 @@ def test_fp8_boundary_compiles_and_quantises(variant: str, fmt: str) -> None:
         assert count(ptx, "shfl.sync.bfly") - count(plain, "shfl.sync.bfly") == SHUFFLES[variant, group] * quantised
         barriers = EXCHANGES[variant] if group == 128 else 0
         assert count(ptx, "bar.sync") - count(plain, "bar.sync") == barriers, "one exchange per store"
-        for approximate in ("div.approx", "div.full", "rcp."):
+        for approximate in ("div.approx", "div.full"):
             assert count(ptx, approximate) == count(plain, approximate), f"no {approximate} of the quantiser's"
         divisions = count(ptx, "div.rn.f32") - count(plain, "div.rn.f32")
+        reciprocals = count(ptx, "rcp.") - count(plain, "rcp.")
         if fmt == "fp32-g128":
-            # The scale, then each of the 8 values: IEEE divisions, never a reciprocal multiply.
+            # The scale; the 8 values by one shared reciprocal (exact: tests/core/test_fp8_division_gpu.py),
+            # or by IEEE divisions for a scale that is not normal.
             assert divisions == (1 + 8) * quantised
+            assert reciprocals == count(ptx, "rcp.approx.ftz.f32") - count(plain, "rcp.approx.ftz.f32") == quantised
             assert count(ptx, "st.global.u8") == 0
         else:
             assert divisions == quantised
+            assert reciprocals == 0
             assert count(ptx, "st.global.u8") == quantised, "one exponent byte per group (its first fragment's lane)"
     # The swizzled layout zeroes whole 16-byte units of padding rows with 16-byte stores (one per
     # padding call the compiler emits: the token loops are unrolled, some twice); no other format, and

@@ -481,6 +481,20 @@ PTX_CVT_E4M3X2_F32 = "cvt.rn.satfinite.e4m3x2.f32 $0, $1, $2;"
 #: IEEE FP32 division, round to nearest even, no flush to zero (what a bitwise match with a
 #: reference's ``x / s`` needs: a reciprocal then a multiply rounds twice).
 PTX_DIV_RN_F32 = "div.rn.f32 $0, $1, $2;"
+#: The reciprocal ``div.rn.f32``'s fast path starts from (``rcp.approx`` and one Newton step with
+#: FMAs), computed once for several quotients by one divisor ...
+PTX_RCP_REFINED_F32 = (
+    "{ .reg .f32 n, r, e; neg.f32 n, $1; rcp.approx.ftz.f32 r, $1; "
+    "fma.rn.f32 e, n, r, 0f3F800000; fma.rn.f32 $0, e, r, r; }"
+)
+#: ... and each quotient from it: ``q = x * r`` corrected by the exact residual ``x - d * q`` (an
+#: FMA). An exact first product keeps its sign (``-0 / d`` is ``-0``, which the correction's
+#: ``+0`` residual would turn into ``+0``).
+PTX_DIV_REFINED_F32 = (
+    "{ .reg .f32 n, q, t, c; .reg .pred p; neg.f32 n, $2; mul.rn.f32 q, $1, $3; "
+    "fma.rn.f32 t, n, q, $1; fma.rn.f32 c, t, $3, q; setp.eq.f32 p, t, 0f00000000; "
+    "selp.f32 $0, q, c, p; }"
+)
 #: Unsigned 16-bit maximum of each half of two words (sm_90 on): BF16 magnitudes compare as integers.
 PTX_MAX_U16X2 = "max.u16x2 $0, $1, $2;"
 #: An 8-byte global store of 2 words (8 E4M3 values) and a 1-byte one (a UE8M0 scale).
@@ -513,6 +527,47 @@ def div_rn_f32(numerator: Float32, denominator: Float32, *, loc=None, ip=None) -
             [_value(Float32(numerator), loc, ip), _value(Float32(denominator), loc, ip)],
             PTX_DIV_RN_F32,
             "=f,f,f",
+            has_side_effects=False,
+            asm_dialect=0,
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+@dsl_user_op
+def rcp_refined_f32(denominator: Float32, *, loc=None, ip=None) -> Float32:
+    """``1 / denominator`` to within the accuracy ``div_refined_f32`` needs (``PTX_RCP_REFINED_F32``);
+    ``denominator`` a normal FP32 value."""
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [_value(Float32(denominator), loc, ip)],
+            PTX_RCP_REFINED_F32,
+            "=f,f",
+            has_side_effects=False,
+            asm_dialect=0,
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+@dsl_user_op
+def div_refined_f32(numerator: Float32, denominator: Float32, reciprocal: Float32, *, loc=None, ip=None) -> Float32:
+    """``numerator / denominator`` from ``reciprocal = rcp_refined_f32(denominator)``
+    (``PTX_DIV_REFINED_F32``): ``div.rn.f32``'s own fast path, without its per-call range check and
+    branch. The caller keeps it to the operands where that path is exact (``mhc_core.device.quant``)."""
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [
+                _value(Float32(numerator), loc, ip),
+                _value(Float32(denominator), loc, ip),
+                _value(Float32(reciprocal), loc, ip),
+            ],
+            PTX_DIV_REFINED_F32,
+            "=f,f,f,f",
             has_side_effects=False,
             asm_dialect=0,
             loc=loc,

@@ -10,7 +10,9 @@ consecutive columns of a row (the BF16 layer input, as the kernel rounds it to s
 2. ``s = a / 448``: one IEEE division (``div.rn.f32``);
 3. FP32 encoding: the scale is ``s``. UE8M0: the smallest power of two ``>= max(s, fp32(1e-10))``, as
    its biased exponent byte (the FP32 exponent field, plus one if any mantissa bit is set);
-4. ``q_i = e4m3(x_i / scale)``: an IEEE division by an FP32 scale; a multiply by ``2^-k`` for a UE8M0
+4. ``q_i = e4m3(x_i / scale)``: the IEEE quotient by an FP32 scale (``quantize_fragment_divide``:
+   one shared reciprocal and ``div.rn``'s fast path per value, equal to ``div.rn.f32`` on every
+   value a group holds); a multiply by ``2^-k`` for a UE8M0
    scale ``2^k`` (exact, so it rounds as the division does: both are the correctly rounded
    ``x_i * 2^-k``); then ``cvt.rn.satfinite.e4m3x2.f32``, which saturates at +-448 (the reference's
    clamp: checked equal on the H200 with and without it) and rounds to nearest even. ``-0`` gives
@@ -154,10 +156,27 @@ def _pack_e4m3x8(values: list) -> tuple:
 
 @cute.jit
 def quantize_fragment_divide(words: cute.TensorSSA, scale: Float32) -> tuple:
-    """A fragment's 8 BF16 values (4 words) -> 2 words of ``e4m3(x / scale)``, one IEEE division
-    each (an FP32 scale: ``fp32-g128``). Byte ``k`` of the 8 is value ``k``."""
+    """A fragment's 8 BF16 values (4 words) -> 2 words of ``e4m3(x / scale)``, each quotient the
+    IEEE one (an FP32 scale: ``fp32-g128``). Byte ``k`` of the 8 is value ``k``.
+
+    Eight ``div.rn.f32`` each check their operands and branch, one after the other: on a one-token
+    kernel's tail that cost more than the rest of the quantisation. A normal scale (every group's but
+    a NaN or infinite one's: the absmax floor keeps it above ``2^-43``, and ``|x| <= 448 * scale``)
+    takes one shared reciprocal and ``div.rn``'s own fast path per value
+    (``ptx.div_refined_f32``), exact wherever the code can be nonzero (``tests/core``'s exhaustive
+    GPU check); any other scale takes ``div.rn.f32``.
+    """
     values = ptx.words_to_f32x8(words)
-    return _pack_e4m3x8([ptx.div_rn_f32(ptx.element(values, k), scale) for k in range(VEC_BF16)])
+    quotients = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
+    exponent = (ptx.f32_to_bits(scale) >> Uint32(F32_EXPONENT_SHIFT)) & Uint32(UE8M0_NAN)
+    if (exponent != Uint32(0)) & (exponent != Uint32(UE8M0_NAN)):
+        reciprocal = ptx.rcp_refined_f32(scale)
+        for k in cutlass.range_constexpr(VEC_BF16):
+            quotients[k] = ptx.div_refined_f32(ptx.element(values, k), scale, reciprocal)
+    else:
+        for k in cutlass.range_constexpr(VEC_BF16):
+            quotients[k] = ptx.div_rn_f32(ptx.element(values, k), scale)
+    return _pack_e4m3x8([quotients[k] for k in range(VEC_BF16)])
 
 
 @cute.jit
@@ -177,7 +196,8 @@ def padded_rows(layout: cutlass.Constexpr[str], m: Int32) -> Int32:
         align = PACKED_ROW_ALIGN
     elif cutlass.const_expr(layout == SWIZZLED_128X4):
         align = SWIZZLE_TILE_ROWS
-    return (m + Int32(align - 1)) // Int32(align) * Int32(align)
+    # The alignments are powers of two and m >= 1: a mask, not a signed division on the kernel's tail.
+    return (m + Int32(align - 1)) & Int32(-align)
 
 
 @cute.jit
@@ -242,10 +262,13 @@ def store_padding_rows(
     its rank in the cluster) and those of every other token split the padding. ``swizzled-128x4``
     zeroes whole 16-byte units (``_zero_swizzled_padding``) unless ``units`` is False: a kernel at its
     register cap that unrolls this per token (the tensor-core GLM boundary) keeps one 4-byte store
-    per padding row and word, whose loop holds fewer values. Nothing for ``row-major``.
+    per padding row and word, whose loop holds fewer values. ``mn-major-packed`` (at most 3 rows)
+    steps through its rows without a division (``_zero_packed_padding``). Nothing for ``row-major``.
     """
     if cutlass.const_expr(layout == SWIZZLED_128X4 and units):
         _zero_swizzled_padding(scales, token, m, thread, threads, groups)
+    elif cutlass.const_expr(layout == MN_MAJOR_PACKED):
+        _zero_packed_padding(layout, scales, token, m, thread, threads, groups)
     elif cutlass.const_expr(layout != ROW_MAJOR):
         _zero_padding_words(layout, scales, token, m, thread, threads, groups)
 
@@ -255,8 +278,8 @@ def _zero_padding_words(
     layout: cutlass.Constexpr[str], scales: Int64, token: Int32, m: Int32, thread: Int32,
     threads: cutlass.Constexpr[int], groups: cutlass.Constexpr[int],
 ) -> None:  # fmt: skip
-    """One 4-byte store per padding row and scale word (``mn-major-packed``: at most 3 rows).
-    Padding row ``m + j`` falls to token ``j % m``."""
+    """One 4-byte store per padding row and scale word (``swizzled-128x4`` without units), over a
+    flat loop of rows x words. Padding row ``m + j`` falls to token ``j % m``."""
     words_per_row = _ceil_div(groups, GROUPS_PER_WORD)
     padding = padded_rows(layout, m) - m
     rows = Int32(0)
@@ -267,6 +290,29 @@ def _zero_padding_words(
         word = item % Int32(words_per_row)
         offset = scale_offset(layout, row, word * Int32(GROUPS_PER_WORD), m, groups)
         ptx.store_u32(scales + offset, Uint32(0))
+
+
+@cute.jit
+def _zero_packed_padding(
+    layout: cutlass.Constexpr[str], scales: Int64, token: Int32, m: Int32, thread: Int32,
+    threads: cutlass.Constexpr[int], groups: cutlass.Constexpr[int],
+) -> None:  # fmt: skip
+    """``mn-major-packed`` (at most 3 padding rows): one 4-byte store per padding row and scale word.
+    Padding row ``m + j`` falls to token ``j % m``: the rows ``j = token, token + m, ...`` below the
+    padding, stepped through without a division (at M = 1 the runtime division by M that
+    ``_zero_padding_words`` does cost every thread's tail more than the stores)."""
+    words_per_row = _ceil_div(groups, GROUPS_PER_WORD)
+    padding = padded_rows(layout, m) - m
+    for j in range(token, padding, m):
+        row = m + j
+        if cutlass.const_expr(words_per_row <= threads):
+            if thread < Int32(words_per_row):
+                offset = scale_offset(layout, row, thread * Int32(GROUPS_PER_WORD), m, groups)
+                ptx.store_u32(scales + offset, Uint32(0))
+        else:
+            for word in range(thread, words_per_row, threads):
+                offset = scale_offset(layout, row, word * Int32(GROUPS_PER_WORD), m, groups)
+                ptx.store_u32(scales + offset, Uint32(0))
 
 
 @cute.jit
