@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 
 from mhc_core import registry
@@ -119,17 +120,27 @@ def test_every_import_resolves() -> None:
         for target, names, line in imports(path, module):
             if not target.startswith("mhc_"):
                 continue
-            where = f"{path.relative_to(ROOT)}:{line}"
-            if target not in MODULES:
-                missing.append(f"{where}: no module {target}")
-                continue
-            imported = importlib.import_module(target)
-            missing += [
-                f"{where}: {target} has no {name}"
-                for name in names
-                if f"{target}.{name}" not in MODULES and not hasattr(imported, name)
-            ]
+            missing += unresolved(f"{path.relative_to(ROOT)}:{line}", target, names, MODULES.__contains__)
     assert not missing, "\n".join(missing)
+
+
+def unresolved(where: str, target: str, names: list[str], is_module: Callable[[str], bool]) -> list[str]:
+    """What of one import does not resolve: its module, else each name neither an attribute nor a submodule."""
+    if not is_module(target):
+        return [f"{where}: no module {target}"]
+    imported = importlib.import_module(target)
+    return [
+        f"{where}: {target} has no {name}"
+        for name in names
+        if not hasattr(imported, name) and not is_module(f"{target}.{name}")
+    ]
+
+
+def findable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a name under a module that is no package
+        return False
 
 
 def test_no_package_imports_a_checkout_folder() -> None:
@@ -152,16 +163,7 @@ def test_every_benchmarks_import_resolves() -> None:
             for target, names, line in imports(path, None):
                 if target.split(".")[0] != "benchmarks":
                     continue
-                where = f"{path.relative_to(ROOT)}:{line}"
-                if importlib.util.find_spec(target) is None:
-                    missing.append(f"{where}: no module {target}")
-                    continue
-                imported = importlib.import_module(target)
-                missing += [
-                    f"{where}: {target} has no {name}"
-                    for name in names
-                    if not hasattr(imported, name) and importlib.util.find_spec(f"{target}.{name}") is None
-                ]
+                missing += unresolved(f"{path.relative_to(ROOT)}:{line}", target, names, findable)
     assert not missing, "\n".join(missing)
 
 
