@@ -6,10 +6,12 @@ BENCHMARKS.md rests on):
 Each ``DIR`` holds a checkout's ``packages/`` (for example ``git worktree add DIR COMMIT``, or an
 unpacked ``git archive COMMIT packages``). The trees run in turn, ``--runs`` rounds of one fresh
 process each, so that a drift of the machine (clocks, other tenants) falls on every tree alike; the
-figure of a tree is the median of its runs. One run measures the fused DSV and GLM ops at tp 1 with
-the same method as ``benchmarks.harness.graph_time_us`` (20 calls per CUDA graph, median of 25
-replays), from this file, whatever the tree's own benchmarks look like. The table gives each tree's
-median and its ratio to the first tree.
+figure of a tree is the median of its runs. One run measures every registered model's fused op at
+tp 1 (its benchmark case, ``mhc_core.bench.case``: preset, inputs and the call its own suite times)
+with ``mhc_core.bench.timing.graph_time_us`` (20 calls per CUDA graph, median of 25 replays). The
+case and timing modules are this checkout's, loaded from their files into the tree's process, so an
+older tree without them measures the same way. The table gives each tree's median and its ratio to
+the first tree.
 """
 
 from __future__ import annotations
@@ -21,42 +23,49 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
-PACKAGES = ("mhc-core", "mhc-dsv41", "mhc-glm5")
+from .checkout import add_packages, load_file, module_file
 
 
-def measure(ms: list[int]) -> dict[str, dict[int, float]]:
+def this_checkout() -> dict[str, Any]:
+    """What a run loads from this checkout: the timing module's file and, per registered model with a
+    benchmark case, its case's file and name; and the distributions whose ``src/`` a tree supplies."""
+    add_packages()
+    from mhc_core import registry
+
+    cases = {}
+    for key, model in registry.models().items():
+        if model.benchmark_case is not None:
+            module, _, name = model.benchmark_case.partition(":")
+            cases[key] = (module_file(module), name)
+    return {
+        "timing": module_file("mhc_core.bench.timing"),
+        "cases": cases,
+        "distributions": ["mhc-core", *registry.distributions()],
+    }
+
+
+def measure(ms: list[int], loaded: dict[str, Any]) -> dict[str, dict[int, float]]:
     """One run, in this process: the tree's packages are first on sys.path (``main`` sets it)."""
     import torch
 
-    from mhc_dsv41 import AllReduceMHC
-    from mhc_glm5 import AllReduceMhcBoundary
-
-    from .harness import graph_time_us
-    from .suites import bf16, dsv41_inputs, glm5_inputs
-
+    timing = load_file("_ab_timing", loaded["timing"])
+    cases = {key: getattr(load_file(f"_ab_case_{key}", path), name) for key, (path, name) in loaded["cases"].items()}
     torch.manual_seed(0)
-    dsv = AllReduceMHC.from_preset("h200-tp1-h5120", max_num_tokens=max(ms), device="cuda")
-    glm = AllReduceMhcBoundary.from_preset("h200-tp1-h4096", max_num_tokens=max(ms), device="cuda")
-    result: dict[str, dict[int, float]] = {"dsv41": {}, "glm5": {}}
+    ops = {key: case.build(case.preset(1), max(ms), "cuda") for key, case in cases.items()}
+    result: dict[str, dict[int, float]] = {key: {} for key in cases}
     for m in ms:
-        x, dsv_args = bf16(m, 5120), dsv41_inputs(m, 5120)
-        out = (torch.empty_like(dsv_args[0]), torch.empty_like(x))
-        result["dsv41"][m] = graph_time_us(lambda x=x, dsv_args=dsv_args, out=out: dsv(x, *dsv_args, out=out))
-        y, args = bf16(m, 4096), glm5_inputs(m, 4096)
-
-        def glm_step(y: torch.Tensor = y, args: tuple = args) -> None:
-            glm(y, *args)
-            glm.join()  # the fused time includes the side-stream mixes
-
-        result["glm5"][m] = graph_time_us(glm_step)
+        for key, case in cases.items():
+            x = torch.randn(m, case.hidden, device="cuda").to(torch.bfloat16)
+            result[key][m] = timing.graph_time_us(case.step(ops[key], x, case.inputs(m, case.hidden)))
     return result
 
 
 def table(runs: dict[str, list[dict[str, dict[int, float]]]]) -> str:
     tags = list(runs)
     lines = []
-    for model in ("dsv41", "glm5"):
+    for model in runs[tags[0]][0]:
         count = len(runs[tags[0]])
         lines.append(f"\n{model}, tp 1: median us per call of {count} alternating runs (ratio to {tags[0]})")
         lines.append("| M | " + " | ".join(tags) + " |")
@@ -77,21 +86,24 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--m", nargs="+", type=int, default=[1, 8, 64, 256])
     parser.add_argument("--out", type=Path, default=None, help="write every run as JSON here")
-    parser.add_argument("--one-run", action="store_true", help=argparse.SUPPRESS)  # a child process
+    parser.add_argument("--one-run", default=None, help=argparse.SUPPRESS)  # a child process: this_checkout()
     options = parser.parse_args()
-    if options.one_run:
-        print(json.dumps(measure(options.m)), flush=True)
+    if options.one_run is not None:
+        print(json.dumps(measure(options.m, json.loads(options.one_run))), flush=True)
         return 0
     trees = dict(spec.split("=", 1) for spec in options.tree)
     if len(trees) < 2 or any(not (Path(path) / "packages").is_dir() for path in trees.values()):
         parser.error("--tree: expected two or more TAG=DIR, each DIR holding packages/")
     runs: dict[str, list[dict[str, dict[int, float]]]] = {tag: [] for tag in trees}
     root = Path(__file__).resolve().parents[1]
+    loaded = this_checkout()
     for _ in range(options.runs):
         for tag, path in trees.items():
-            sources = [str(Path(path).resolve() / "packages" / package / "src") for package in PACKAGES]
+            packages = Path(path).resolve() / "packages"
+            sources = [str(packages / name / "src") for name in loaded["distributions"]]
             env = {**os.environ, "PYTHONPATH": os.pathsep.join([*sources, str(root), os.environ.get("PYTHONPATH", "")])}
-            command = [sys.executable, "-m", "benchmarks.ab", "--one-run", "--m", *map(str, options.m)]
+            child = ["-m", "benchmarks.ab", "--one-run", json.dumps(loaded), "--m", *map(str, options.m)]
+            command = [sys.executable, *child]
             done = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True, check=False)
             if done.returncode != 0:
                 print(done.stderr[-2000:], file=sys.stderr)

@@ -5,10 +5,12 @@
 Each tree (default: this checkout; another commit: ``git worktree add`` or ``git archive`` it) runs
 in its own ``valgrind --tool=callgrind`` process, which counts the instructions of ``--calls`` calls
 of each path at M = 1 (after a warm-up; ``CALLGRIND_START/STOP_INSTRUMENTATION`` around the loop
-through a small C library built here). The ops are the tree's own CPU ops with recorder kernels
-(``tests/core/test_launch_wiring_cpu.py``: real rules, native programs, allocation and bookkeeping;
-no-op kernels) with a real ``CallOrder`` and ``SideWork`` whose CUDA streams and events are Python
-stand-ins; the custom-op paths have their implementations registered for CPU tensors here.
+through a small C library built here). The paths are every registered model's (its benchmark case's
+``instructions`` module, this checkout's, loaded from its file: ``paths`` and ``CUSTOM_OPS``). The ops
+are the tree's own CPU ops with recorder kernels (``tests/core/test_launch_wiring_cpu.py``: real
+rules, native programs, allocation and bookkeeping; no-op kernels) with a real ``CallOrder`` and
+``SideWork`` whose CUDA streams and events are Python stand-ins; the custom-op paths have their
+implementations registered for CPU tensors here.
 
 What it answers: how many host instructions a change adds to a path, reproducibly (hash seed and
 malloc settings fixed), on a CPU-only machine. What it does not: CUDA launches, the caching
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib
+import json
 import os
 import re
 import subprocess
@@ -28,17 +32,10 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-PATHS = (
-    "dsv call",
-    "dsv call(out=)",
-    "dsv library.boundary",
-    "dsv torch.ops.mhc",
-    "glm call + join",
-    "glm call(out=) + join",
-    "glm library.boundary + join",
-)
+from .checkout import ROOT, add_packages, load_file, module_file
+
 CLIENT_REQUESTS = """
 #include <valgrind/callgrind.h>
 void cg_start(void) { CALLGRIND_ZERO_STATS; CALLGRIND_START_INSTRUMENTATION; }
@@ -79,17 +76,14 @@ def _stand_in_streams(streams) -> None:
     streams.current_stream_handle = abs  # a C builtin: abs(0) is the stand-in stream's handle
 
 
-def _cpu_kernels(names: list[str]) -> None:
-    """The custom ops' implementations registered for CPU tensors too (either registration)."""
+def _cpu_kernels(module: Any, names: list[str]) -> None:
+    """The custom ops ``module`` defines, their implementations registered for CPU tensors too (either
+    registration)."""
     import torch
 
-    import mhc_dsv41.library as dsv_library
-    import mhc_glm5.library as glm_library
-
     cpu = torch.library.Library("mhc", "IMPL")
-    _cpu_kernels.keep = cpu  # type: ignore[attr-defined]  # the registrations live as long as it
+    _KEEP.append(cpu)  # the registrations live as long as it
     for name in names:
-        module = dsv_library if name.startswith("dsv41") else glm_library
         defined = getattr(module, name)
         if hasattr(defined, "register_kernel"):  # torch.library.custom_op (before issue #34 part 8)
             defined.register_kernel("cpu")(defined._init_fn)
@@ -97,9 +91,27 @@ def _cpu_kernels(names: list[str]) -> None:
             cpu.impl(name, defined.implementation, "CPU")
 
 
-def worker(tree: Path, library: Path, calls: int) -> None:
+_KEEP: list[Any] = []
+
+
+def plan() -> dict[str, Any]:
+    """What a worker loads from this checkout: per registered model whose benchmark case names an
+    ``instructions`` module, that module's file and the model's custom-op module; and the
+    distributions whose ``src/`` a tree supplies."""
+    add_packages()
+    from mhc_core import registry
+
+    models = []
+    for key, model in registry.models().items():
+        case = registry.load_object(model.benchmark_case) if model.benchmark_case is not None else None
+        if getattr(case, "instructions", None) is not None:
+            models.append({"key": key, "file": module_file(case.instructions), "custom_ops": model.custom_ops})
+    return {"models": models, "distributions": ["mhc-core", *registry.distributions()]}
+
+
+def worker(tree: Path, library: Path, calls: int, planned: dict[str, Any]) -> None:
     """Every path's loop between the client requests (outside valgrind they do nothing)."""
-    for package in ("mhc-core", "mhc-dsv41", "mhc-glm5"):
+    for package in planned["distributions"]:
         sys.path.insert(0, str(tree / "packages" / package / "src"))
     sys.path.insert(0, str(tree))
     import torch
@@ -117,47 +129,25 @@ def worker(tree: Path, library: Path, calls: int) -> None:
     wiring.Kernels.compiled = lambda self, name, kernel: SimpleNamespace(
         function=noop, kernel=kernel, signature=kernel.signature()
     )
-    _cpu_kernels(["dsv41_boundary", "glm5_boundary", "glm5_join"])
-    import mhc_dsv41.library as dsv_library
-    import mhc_glm5.library as glm_library
-
-    cpu = torch.device("cpu")
     x = torch.randn(1, wiring.HIDDEN).to(torch.bfloat16)
-    dsv, _ = wiring.dsv_op(1)
-    dsv._order = streams.CallOrder(cpu)
-    dsv.handle = core_library.register(dsv)
-    dsv_args = wiring.dsv_args(1)
-    dsv_out = dsv(x, *dsv_args)
-    glm, _, _ = wiring.glm_op(1)
-    glm._order = streams.CallOrder(cpu)
-    glm._side_work = streams.SideWork(cpu)
-    glm.handle = core_library.register(glm)
-    glm_args = wiring.glm_args(1)
-    glm_out = glm(x, *glm_args)
-    glm.join()
-
-    def glm_library_step() -> None:
-        fused = glm_library.boundary(glm, x, *glm_args)
-        glm_library.join(glm, fused[0])
-
-    steps: dict[str, Callable[[], object]] = {
-        "dsv call": lambda: dsv(x, *dsv_args),
-        "dsv call(out=)": lambda: dsv(x, *dsv_args, out=dsv_out),
-        "dsv library.boundary": lambda: dsv_library.boundary(dsv, x, *dsv_args),
-        "dsv torch.ops.mhc": lambda: torch.ops.mhc.dsv41_boundary(dsv.state, dsv.handle, x, *dsv_args, 1e-6),
-        "glm call + join": lambda: (glm(x, *glm_args), glm.join()),
-        "glm call(out=) + join": lambda: (glm(x, *glm_args, out=glm_out), glm.join()),
-        "glm library.boundary + join": glm_library_step,
-    }
-    for name in PATHS:
-        step = steps[name]
+    steps: dict[str, Callable[[], object]] = {}
+    releases = []
+    for entry in planned["models"]:
+        paths = load_file(f"_instructions_{entry['key']}", entry["file"])
+        if paths.CUSTOM_OPS:
+            _cpu_kernels(importlib.import_module(entry["custom_ops"]), list(paths.CUSTOM_OPS))
+        found, release = paths.paths(wiring, x, streams, core_library)
+        steps.update(found)
+        releases.append(release)
+    for name, step in steps.items():
         for _ in range(200):
             step()
         requests.cg_start()
         for _ in range(calls):
             step()
         requests.cg_stop(name.encode())
-    glm._side_work._eager_held = ()  # its __del__ would record them on a stand-in stream
+    for release in releases:
+        release()
 
 
 # ---------------------------------------------------------------------- the driver
@@ -169,10 +159,15 @@ def client_requests(folder: Path) -> Path:
     return library
 
 
+def _dump_number(dump: Path) -> int:
+    suffix = dump.name.rsplit(".", 1)[-1]
+    return int(suffix) if suffix.isdigit() else -1
+
+
 def totals(folder: Path, calls: int) -> dict[str, float]:
-    """Instructions per call of each path, from callgrind's dumps (one per path)."""
+    """Instructions per call of each path, from callgrind's dumps (one per path), in the worker's order."""
     result: dict[str, float] = {}
-    for dump in folder.glob("callgrind.*.*"):
+    for dump in sorted(folder.glob("callgrind.*.*"), key=_dump_number):
         text = dump.read_text(errors="replace")
         name = re.search(r"^desc: Trigger: Client Request: (.*)$", text, re.MULTILINE)
         total = re.search(r"^totals: (\d+)", text, re.MULTILINE)
@@ -181,12 +176,13 @@ def totals(folder: Path, calls: int) -> dict[str, float]:
     return result
 
 
-def measure(tree: Path, calls: int, folder: Path, library: Path) -> dict[str, float]:
+def measure(tree: Path, calls: int, folder: Path, library: Path, planned: dict[str, Any]) -> dict[str, float]:
     env = {**os.environ, "PYTHONHASHSEED": "0", "GLIBC_TUNABLES": "glibc.malloc.mxfast=0"}
     env["MHC_CACHE_DIR"] = str(folder / "cache")  # the tree's own host library
     command = [
         "valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={folder}/callgrind.%p",
         sys.executable, "-m", "benchmarks.host_instructions", "--worker", str(tree), str(library), str(calls),
+        json.dumps(planned),
     ]  # fmt: skip
     subprocess.run(command, env=env, cwd=ROOT, check=True, capture_output=True)
     return totals(folder, calls)
@@ -196,25 +192,26 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tree", action="append", default=[], help="a source tree (repeatable; default: this one)")
     parser.add_argument("--calls", type=int, default=1000, help="calls per path inside the counted loop")
-    parser.add_argument("--worker", nargs=3, metavar=("TREE", "LIBRARY", "CALLS"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=4, metavar=("TREE", "LIBRARY", "CALLS", "PLAN"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        tree, library, calls = args.worker
-        worker(Path(tree), Path(library), int(calls))
+        tree, library, calls, planned = args.worker
+        worker(Path(tree), Path(library), int(calls), json.loads(planned))
         return
     trees = [Path(tree).resolve() for tree in args.tree] or [ROOT]
+    planned = plan()
     with tempfile.TemporaryDirectory() as scratch:
         library = client_requests(Path(scratch))
         columns = []
         for index, tree in enumerate(trees):
             folder = Path(scratch) / f"tree{index}"
             folder.mkdir()
-            columns.append(measure(tree, args.calls, folder, library))
+            columns.append(measure(tree, args.calls, folder, library, planned))
     header = "| path | " + " | ".join(str(tree) for tree in trees) + (" | last - first |" if len(trees) > 1 else " |")
     print("\nhost instructions per call (callgrind, M = 1, CPU ops with no-op kernels)")
     print(header)
     print("|---" * (len(trees) + 1 + (len(trees) > 1)) + "|")
-    for path in PATHS:
+    for path in dict.fromkeys(name for column in columns for name in column):
         counts = [column.get(path, float("nan")) for column in columns]
         cells = " | ".join(f"{count:,.0f}" for count in counts)
         delta = f" | {counts[-1] - counts[0]:+,.0f}" if len(trees) > 1 else ""

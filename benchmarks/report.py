@@ -17,7 +17,7 @@ def table(records) -> str:
     for (suite, tp), rows in by_suite.items():
         variants = list(dict.fromkeys(r.variant for r in rows))
         fused = next((v for v in variants if v.startswith(("fused", "lamport"))), None)
-        # At tp > 1 the fused rows also carry the floor with the mailbox traffic (``suites.mailbox_bytes``).
+        # At tp > 1 the fused rows also carry the floor with the mailbox traffic (``bench.floors.mailbox_bytes``).
         second = any(getattr(r, "mailbox_floor_us", None) is not None for r in rows)
         extra = " floor with mailbox | fused / that |" if second else ""
         lines.append(f"\n{suite}, tp {tp} (median us per call, CUDA-graph replays)")
@@ -55,20 +55,6 @@ def host_table(records) -> str:
                 f"| {label} | {r.tp} | {r.m} | {r.us:.1f} | {r.us / norm:.2f} | {best:.1f} | {best / norm_best:.2f} "
                 f"| {wall:.1f} | {r.floor_us:.1f} |"
             )
-    return "\n".join(lines)
-
-
-def overlap_table(records) -> str:
-    """The glm5-overlap suite (``benchmarks.overlap``): (a)-(d) per M, beside (a) + (b), what (d)
-    should take, and (d) - (c), the microseconds the GEMM hid of the side-stream mixes."""
-    lines = ["\nglm5-overlap (median us per call of the compiled function, CUDA-graph replays)"]
-    lines.append("| tp | M | (a) boundary + join | (b) gemm | (a) + (b) | (c) boundary, gemm, join "
-                 "| (d) boundary, join, gemm | hidden: (d) - (c) |")  # fmt: skip
-    lines.append("|---|---|---|---|---|---|---|---|")
-    times = {(r.tp, r.m, r.variant[:3]): r.us for r in records}
-    for tp, m in sorted({(r.tp, r.m) for r in records}):
-        a, b, c, d = (times.get((tp, m, key), float("nan")) for key in ("(a)", "(b)", "(c)", "(d)"))
-        lines.append(f"| {tp} | {m} | {a:.2f} | {b:.2f} | {a + b:.2f} | {c:.2f} | {d:.2f} | {d - c:.2f} |")
     return "\n".join(lines)
 
 

@@ -1,12 +1,16 @@
 """Run the benchmarks and print their tables (``nox -s bench`` wraps this).
 
-    python3 -m benchmarks.run [--suite core dsv41 dsv41-geometry glm5 glm5-thresholds glm5-persistent
-                               glm5-breakdown glm5-overlap spin-bound host fp8] [--out DIR]
+    python3 -m benchmarks.run [--suite core spin-bound host fp8 <a model's suites>] [--out DIR]
     python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m benchmarks.run   # real tp 2
     python3 -m benchmarks.run --suite fp8 --dry-run   # no GPU: what the FP8 suite builds and checks
 
 Under torchrun the suites run over a real NCCL group (unicast Lamport; NVLink
 multicast stays off). Results go to DIR as JSON, a markdown table and PNG plots.
+
+The suites here (core, spin-bound, host, fp8) run every registered model's benchmark case
+(``mhc_core.bench.case``); a model's own suites, the ones a plain run includes and their tables are
+what its registry entry declares (``Model.benchmark_suites``, ``benchmark_defaults``,
+``benchmark_tables``), each run by name.
 """
 
 from __future__ import annotations
@@ -20,11 +24,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for folder in sorted((ROOT / "packages").glob("*/src"), reverse=True):  # mhc-core's first on sys.path
-    source = str(folder)
-    if source not in sys.path:
-        sys.path.insert(0, source)
+from .checkout import ROOT, add_packages
+
+add_packages()
 for variable, value in (
     ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
     ("NCCL_NVLS_ENABLE", "0"),
@@ -34,52 +36,47 @@ for variable, value in (
 
 import torch  # noqa: E402
 
-from . import fp8, overlap, report, suites  # noqa: E402
-from .harness import copy_bandwidth_bytes_per_us, device_description  # noqa: E402
+from mhc_core import registry  # noqa: E402
+from mhc_core.bench import SMALL_M  # noqa: E402
+from mhc_core.bench.records import Context, Record  # noqa: E402
+from mhc_core.bench.timing import copy_bandwidth_bytes_per_us, device_description  # noqa: E402
+
+from . import fp8, report, suites  # noqa: E402
 
 DEFAULT_M = (1, 8, 64, 256, 1024)
-THRESHOLD_M = (8, 16, 32, 64, 128, 256, 512, 1024)
-#: The decode sizes of the suites that measure small-M effects (the --m values up to 64).
-SMALL_M = 64
 
-#: Each suite's function of the context and the --m values.
-RUNNERS: dict[str, Callable[[suites.Context, list[int]], list[suites.Record]]] = {
+Suite = Callable[[Context, list[int]], list[Record]]
+#: The suites of no one model: each one's function of the context and the --m values.
+GENERIC: dict[str, Suite] = {
     "core": suites.core_suite,
-    "dsv41": suites.dsv41_suite,
-    "glm5": suites.glm5_suite,
-    "glm5-thresholds": lambda ctx, ms: suites.glm5_thresholds(ctx, list(THRESHOLD_M)),
-    "dsv41-geometry": suites.dsv41_geometry,
-    "glm5-breakdown": suites.glm5_breakdown,
-    "glm5-persistent": suites.glm5_persistent,
-    "glm5-overlap": lambda ctx, ms: overlap.glm5_overlap(ctx, [m for m in ms if m <= SMALL_M]),
     "spin-bound": lambda ctx, ms: suites.spin_bound(ctx, [m for m in ms if m <= SMALL_M]),
     "host": lambda ctx, ms: suites.host_overhead(ctx, [1]),
     "fp8": fp8.fp8_suite,
 }
 
 
-def _registered_suites() -> dict[str, Callable[[suites.Context, list[int]], list[suites.Record]]]:
-    """The suites model packages declare in the registry (``Model.benchmark_suites``), run by name; a
-    name already above stays the one above."""
-    from mhc_core import registry
-
-    declared = {}
+def _declared(field: str) -> dict[str, object]:
+    """``(name, "module:object")`` pairs of one ``Model`` field over the registry, loaded, in key order; a
+    generic suite's name stays the generic one."""
+    found: dict[str, object] = {}
     for model in registry.models().values():
-        for name, target in model.benchmark_suites:
-            if name not in RUNNERS:
-                declared[name] = registry.load_object(target)
-    return declared
+        for name, target in getattr(model, field):
+            if name not in GENERIC:
+                found.setdefault(name, registry.load_object(target))
+    return found
 
 
-RUNNERS.update(_registered_suites())
+#: Every suite by name: core, the models' own (``Model.benchmark_suites``), then the other generic ones.
+RUNNERS: dict[str, Suite] = {"core": GENERIC["core"], **_declared("benchmark_suites"), **GENERIC}
 SUITES = tuple(RUNNERS)
-#: Suites a plain run (no --suite) does: spin-bound and host are one process with loopback ranks;
-#: glm5-overlap compiles a dozen functions and fp8 some fifty kernels: both are asked for by name.
-DEFAULT_SUITES = ("core", "dsv41", "glm5", "glm5-thresholds", "glm5-breakdown")
+#: Suites a plain run (no --suite) does: core and what each model lists (``Model.benchmark_defaults``).
+#: spin-bound and host are one process with loopback ranks; fp8 compiles some fifty kernels: asked for
+#: by name.
+DEFAULT_SUITES = ("core", *(name for model in registry.models().values() for name in model.benchmark_defaults))
 #: Suites a plain run adds when not under torchrun.
 SINGLE_PROCESS_SUITES = ("host",)
-#: The table each suite prints (the generic one where not named).
-TABLES = {"host": report.host_table, "glm5-overlap": report.overlap_table, "fp8": report.fp8_table}
+#: The table each suite prints (the generic one where not named; ``Model.benchmark_tables``).
+TABLES = {"host": report.host_table, "fp8": report.fp8_table, **_declared("benchmark_tables")}
 
 
 def commit() -> str:
@@ -124,7 +121,7 @@ def main() -> int:
         dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
         group, tp, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
     bandwidth = copy_bandwidth_bytes_per_us()
-    ctx = suites.Context(tp=tp, rank=rank, group=group, bandwidth=bandwidth, compile_baselines=not options.no_compile)
+    ctx = Context(tp=tp, rank=rank, group=group, bandwidth=bandwidth, compile_baselines=not options.no_compile)
     header = {
         "date": datetime.date.today().isoformat(),
         "gpu": device_description(),

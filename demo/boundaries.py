@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from benchmarks import baselines
 from mhc_core import MoEOutput
+from mhc_dsv41.bench.baseline import boundary as dsv41_boundary
+from mhc_glm5.bench.baseline import boundary_with as glm5_boundary
 
 from . import reference, tolerance
 from .config import StackConfig
@@ -39,7 +40,8 @@ def finalize(moe: MoEOutput) -> Tensor:
 
 
 class UnfusedBoundary:
-    """Finalize (MoE) and all-reduce the sublayer output, then ``benchmarks.baselines``' boundary.
+    """Finalize (MoE) and all-reduce the sublayer output, then the model's torch boundary (the benchmarks'
+    baseline: ``mhc_dsv41.bench.baseline`` / ``mhc_glm5.bench.baseline``).
 
     The all-reduce is ``torch.distributed.all_reduce`` (NCCL) at tp > 1 (``group``), none at tp 1;
     under ``torch.compile`` it traces to the functional collective.
@@ -57,10 +59,10 @@ class UnfusedBoundary:
         return x
 
     def dsv41(self, x, residual, post, comb, pre, norm_weight, norm_eps: float) -> tuple[Tensor, Tensor]:
-        return baselines.dsv41_boundary(self.reduce(x), residual, post, comb, pre, norm_weight, norm_eps)
+        return dsv41_boundary(self.reduce(x), residual, post, comb, pre, norm_weight, norm_eps)
 
     def glm5(self, x, residual, post, comb, fn, scale, base, norm_weight):
-        streams, post_out, comb_out, layer_input = baselines.glm5_boundary(
+        streams, post_out, comb_out, layer_input = glm5_boundary(
             self.reduce(x), residual, post, comb, fn, scale, base, norm_weight, **self.constants
         )
         return streams, layer_input, (post_out, comb_out)

@@ -69,7 +69,7 @@ class MixesConfig:
     sinkhorn_repeat: int = 20
 
     def constants(self) -> dict[str, float | int]:
-        """The keyword arguments ``benchmarks.baselines.glm5_boundary`` takes (without ``norm_eps``)."""
+        """The keyword arguments ``mhc_glm5.bench.baseline.boundary_with`` takes (without ``norm_eps``)."""
         return dataclasses.asdict(self)
 
 

@@ -4,9 +4,9 @@ Two kinds per stack, as many of each per step: the attention boundary (plain ``[
 boundary 0) and the MoE boundary (finalize form, boundary 1). Their inputs are those boundaries'
 records from the fused path's last checked decode step (cloned): the same shapes and values the
 model runs. Each call is the ``UnfusedBoundary`` / ``FusedBoundary`` method the stack calls,
-compiled the same way as the model (``compile``), timed like ``benchmarks.harness`` (a CUDA graph of
-back-to-back calls, the median replay). GLM's fused call includes its join: the side-stream mixes
-are on the critical path here, as in ``benchmarks.suites``.
+compiled the same way as the model (``compile``), timed like ``mhc_core.bench.timing`` (a CUDA graph
+of back-to-back calls, the median replay). GLM's fused call includes its join: the side-stream mixes
+are on the critical path here, as in the benchmarks' suites.
 """
 
 from __future__ import annotations

@@ -238,7 +238,7 @@ class Mixes(nn.Module):
 def hc_mixes(streams: Tensor, mixes: Mixes, config: MixesConfig) -> tuple[Tensor, Tensor, Tensor]:
     """``(pre [M, 4], post [M, 4], comb [M, 4, 4])`` FP32 from ``[M, 4, hidden]`` BF16 streams, in torch.
 
-    The same math as ``benchmarks.baselines.glm5_boundary``'s mixes (and the GLM kernels'): raw
+    The same math as ``mhc_glm5.bench.baseline.boundary_with``'s mixes (and the GLM kernels'): raw
     mixes ``(fn @ s) * rsqrt(mean(s^2) + rms_eps)``, then sigmoid / sigmoid / Sinkhorn.
     """
     eps = config.hc_eps

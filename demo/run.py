@@ -5,8 +5,8 @@
     python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m demo     # tp 2, one rank per GPU
 
 For each stack (``demo.config``'s embedded defaults, random seeded weights, nothing downloaded)
-and each M: the unfused path (all-reduce, then ``benchmarks.baselines``' torch boundary) and the
-fused one (``torch.ops.mhc``) are compiled with ``torch.compile`` (``--compile``; ``none``: eager)
+and each M: the unfused path (all-reduce, then the model's torch boundary, ``<package>.bench.baseline``)
+and the fused one (``torch.ops.mhc``) are compiled with ``torch.compile`` (``--compile``; ``none``: eager)
 and captured in CUDA graphs; a ``--steps``-step decode checks the logits at every step
 (``demo.check``; the routing computed once per step and fed to both); then the per-step latency of
 both paths, tokens/s, the boundaries per step, the per-boundary saving measured in isolation in the
@@ -113,9 +113,9 @@ def build_op(config: StackConfig, env: Environment, capacity: int, gpu: str):
 
 
 def timer(env: Environment):
-    """``benchmarks.suites.Context.time``: CUDA-graph replays, every rank's replay started together, the
+    """``mhc_core.bench.records.Context.time``: CUDA-graph replays, every rank's replay started together, the
     slowest rank's median."""
-    from benchmarks.suites import Context
+    from mhc_core.bench.records import Context
 
     return Context(tp=env.tp, rank=env.rank, group=env.group, bandwidth=0.0).time
 
@@ -258,7 +258,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     options = parse(argv)
     env = Environment()
-    from benchmarks.harness import device_description
+    from mhc_core.bench.timing import device_description
 
     header = {
         "date": datetime.date.today().isoformat(),

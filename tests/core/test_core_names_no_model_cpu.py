@@ -1,7 +1,12 @@
 """The core's host modules name no model (issue #35 part 3): a model's op declares what the core
 needs of it (``mhc_core.host.contract.ModelOp``: its hooks and ``model_device_state``), so no
 identifier or string of ``mhc_core.host`` is a model's name or one of its ops' own attributes.
-Comments and docstrings may still say which model motivated a mechanism."""
+Comments and docstrings may still say which model motivated a mechanism.
+
+Nor do the benchmarks (issue #35 part 1): ``benchmarks/`` and the harness it shares with the model
+packages (``mhc_core.bench``) iterate the registry; a model's suites and benchmark case are its own
+package's (``Model.benchmark_suites``, ``Model.benchmark_case``). There no identifier and no string
+names a model, its op class or its own mechanisms."""
 
 from __future__ import annotations
 
@@ -14,6 +19,9 @@ from pathlib import Path
 import mhc_core
 
 HOST = Path(mhc_core.__file__).parent / "host"
+ROOT = Path(__file__).resolve().parents[2]
+#: The benchmarks' model-free side: the CLI and generic suites, and the harness in mhc-core.
+BENCHMARKS = (ROOT / "benchmarks", Path(mhc_core.__file__).parent / "bench")
 #: Parts of an identifier that name a model or its own mechanisms (GLM's mixes kernel and arrival
 #: counter, Sinkhorn). The Lamport hand-off is the core's (``mhc_core.device.handoff``, the spin guard).
 MODEL_WORDS = ("glm", "dsv", "mixes", "sinkhorn", "arrivals")
@@ -88,3 +96,25 @@ def test_the_check_finds_a_model_attribute(tmp_path: Path) -> None:
     old.write_text('"""doc: GLM\'s hand-off rows"""\n_device_state = ("mailbox", "_mixes_handoff")\n')
     strings = [token.string for token in code_tokens(old) if token.type == tokenize.STRING]
     assert strings == ['"mailbox"', '"_mixes_handoff"'] and "_mixes_handoff" in model_attributes()
+
+
+def model_names() -> tuple[str, ...]:
+    """What names a registered model: its key, package and op class, and ``MODEL_WORDS``, lowercase."""
+    from mhc_core import registry
+
+    names = set(MODEL_WORDS)
+    for model in registry.models().values():
+        names |= {model.key.lower(), model.package.lower(), model.op_class.lower()}
+    return tuple(sorted(names))
+
+
+def test_the_benchmarks_name_no_model() -> None:
+    names = model_names()
+    found = []
+    for folder in BENCHMARKS:
+        for path in sorted(folder.glob("*.py")):
+            for token in code_tokens(path):
+                hits = [name for name in names if name in token.string.lower()]
+                if hits:
+                    found.append(f"{path.relative_to(folder.parent)}:{token.start[0]}: {token.string} ({hits[0]})")
+    assert not found, "the benchmarks name a model:\n" + "\n".join(found)

@@ -11,8 +11,9 @@ import torch
 
 from benchmarks import fp8 as suite
 from benchmarks import quantizers
-from benchmarks.suites import Record
 from mhc_core import fp8
+from mhc_core.bench.case import cases
+from mhc_core.bench.records import Record
 
 #: (M, hidden): one row; padding rows (M % 4, M % 128); partial packed words and 4-group blocks.
 SHAPES = ((1, 5120), (5, 4096), (130, 5248), (3, 5152))
@@ -93,12 +94,12 @@ def test_libraries_absent_here_are_reported_with_the_reason(monkeypatch) -> None
 
 
 def test_floors_count_each_variants_bytes() -> None:
-    dsv = next(model for model in suite.MODELS if model.name == "dsv41")
-    m, hidden = 8, 5120
-    base, layer_input = dsv.bytes(m, hidden), 2 * m * hidden
+    case = cases()[0]
+    m, hidden = 8, case.hidden
+    base, layer_input = case.bytes(m, hidden), 2 * m * hidden
     for name in fp8.FORMATS:
         quantized = m * hidden + fp8.get_format(name).scale_storage_bytes(m, hidden)
-        assert suite.floors_bytes(dsv, name, m) == {
+        assert suite.floors_bytes(case, name, m) == {
             suite.BF16_OP: base,
             suite.SEPARATE: base + layer_input + quantized,
             suite.FUSED: base - layer_input + quantized,
@@ -111,15 +112,15 @@ def test_a_cold_run_compiles_every_fp8_kernel_once() -> None:
     """Per model the BF16 op's kernels and, per format and mode, the FP8 collectives (DSV: 2) or boundary
     kernels (GLM: 4); multicast publishes left out (off on the lent hosts)."""
     from benchmarks import prewarm
-    from benchmarks.suites import Context
+    from mhc_core.bench.records import Context
 
     ctx = Context(tp=1, rank=0, group=None, bandwidth=1.0)
     counts = {}
-    for model in suite.MODELS:
-        preset = suite.preset_module(model, ctx, arch="sm_90a").PRESET
+    for case in cases():
+        preset = suite.preset_module(case, ctx, arch="sm_90a").PRESET
         specs = prewarm.preset_specs(preset, "sm_90a", suite.layer_input_options())
         assert not any("multicast" in str(config) for _, config in specs)
-        counts[model.name] = len(specs)
+        counts[case.key] = len(specs)
     # DSV: publish, finalize, 2 BF16 collectives; GLM: publish, 2 finalizes, mixes, 4 BF16 boundaries
     assert counts == {"dsv41": 4 + 6 * 2, "glm5": 8 + 6 * 4}, counts
 

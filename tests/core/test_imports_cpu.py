@@ -3,6 +3,8 @@ function-local ones included, so imports that only GPU code paths execute are ch
 
 * each ``mhc_*`` import names a module that exists, and every name it takes from it exists there
   (tests, benchmarks and tools included);
+* each ``benchmarks`` import (the demo, the tests) names a module there and names it has; no package
+  module imports ``benchmarks`` or another checkout folder (a wheel ships without them);
 * device modules (``mhc_core.device``, the model packages' kernel modules) never import host ones;
 * the host modules form no import cycle. Preset modules import their op (their ``build``) and the
   op imports the preset registry (``from_preset``): the registry imports presets by name, at run
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 
 from mhc_core import registry
@@ -24,6 +28,8 @@ SOURCES = [ROOT / "packages" / "mhc-core" / "src"] + [
     (model.source / "src") if model.source is not None else ROOT / "packages" / model.distribution / "src"
     for model in MODELS.values()
 ]
+#: Folders of the repository that ship in no wheel (``python3 -m <folder>...`` from a checkout).
+CHECKOUT_FOLDERS = ("tests", "benchmarks", "tools", "codegen", "demo", "examples")
 DEVICE_PREFIXES = ("mhc_core.device",)
 #: The models' device modules, as each declares them.
 DEVICE_MODULES = {module for model in MODELS.values() for module in model.device_modules}
@@ -107,23 +113,57 @@ def is_device(module: str) -> bool:
 
 def test_every_import_resolves() -> None:
     files = {path: module for module, path in MODULES.items()}
-    for folder in ("tests", "benchmarks", "tools", "codegen", "demo", "examples"):
+    for folder in CHECKOUT_FOLDERS:
         files.update({path: None for path in (ROOT / folder).rglob("*.py")})
     missing = []
     for path, module in sorted(files.items()):
         for target, names, line in imports(path, module):
             if not target.startswith("mhc_"):
                 continue
-            where = f"{path.relative_to(ROOT)}:{line}"
-            if target not in MODULES:
-                missing.append(f"{where}: no module {target}")
-                continue
-            imported = importlib.import_module(target)
-            missing += [
-                f"{where}: {target} has no {name}"
-                for name in names
-                if f"{target}.{name}" not in MODULES and not hasattr(imported, name)
-            ]
+            missing += unresolved(f"{path.relative_to(ROOT)}:{line}", target, names, MODULES.__contains__)
+    assert not missing, "\n".join(missing)
+
+
+def unresolved(where: str, target: str, names: list[str], is_module: Callable[[str], bool]) -> list[str]:
+    """What of one import does not resolve: its module, else each name neither an attribute nor a submodule."""
+    if not is_module(target):
+        return [f"{where}: no module {target}"]
+    imported = importlib.import_module(target)
+    return [
+        f"{where}: {target} has no {name}"
+        for name in names
+        if not hasattr(imported, name) and not is_module(f"{target}.{name}")
+    ]
+
+
+def findable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a name under a module that is no package
+        return False
+
+
+def test_no_package_imports_a_checkout_folder() -> None:
+    """A wheel holds its package only: a model's benchmark suites take the harness from ``mhc_core.bench``,
+    never from the repository's ``benchmarks/``."""
+    wrong = [
+        f"{MODULES[module].relative_to(ROOT)}:{line}: {target}"
+        for module, path in MODULES.items()
+        for target, _, line in imports(path, module)
+        if target.split(".")[0] in CHECKOUT_FOLDERS
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_benchmarks_import_resolves() -> None:
+    """Imports of ``benchmarks.*`` (the demo, the tests) name a module there and names it has."""
+    missing = []
+    for folder in CHECKOUT_FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for target, names, line in imports(path, None):
+                if target.split(".")[0] != "benchmarks":
+                    continue
+                missing += unresolved(f"{path.relative_to(ROOT)}:{line}", target, names, findable)
     assert not missing, "\n".join(missing)
 
 

@@ -144,7 +144,7 @@ TOY = {
 
 
         def toy_suite(ctx, ms):
-            """A real model's suite times its op at each M with benchmarks.suites' helpers; the toy has none."""
+            """A real model's suite times its op at each M with mhc_core.bench's helpers; the toy has none."""
             return []
     ''',
 }

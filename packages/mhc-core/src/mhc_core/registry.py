@@ -7,8 +7,8 @@ A model package (``mhc_dsv41``, ``mhc_glm5``, a third one) holds one ``Model`` (
     dsv41 = "mhc_dsv41.model:MODEL"
 
 Codegen, ``tools.compile_presets`` / ``tools.export_kernels``, the shipped-kernel lookup
-(``mhc_core.host.artifacts``), the noxfile and the import-layer test iterate ``models()``: no file
-outside a model package names a model.
+(``mhc_core.host.artifacts``), the noxfile, the benchmarks and the import-layer test iterate
+``models()``: no file outside a model package names a model.
 
 Discovery (``models()``), first found wins per key, in this order:
 
@@ -90,6 +90,13 @@ class Model:
     custom_ops: str | None = None
     #: Benchmark suites, as (name, ``module:function`` ``(ctx, ms) -> records``) pairs.
     benchmark_suites: tuple[tuple[str, str], ...] = ()
+    #: The names of ``benchmark_suites`` a plain ``python3 -m benchmarks.run`` (no ``--suite``) runs.
+    benchmark_defaults: tuple[str, ...] = ()
+    #: Suites printed by a table of their own, as (name, ``module:function`` ``records -> str``) pairs.
+    benchmark_tables: tuple[tuple[str, str], ...] = ()
+    #: What the generic suites (fp8, host, spin-bound, A/B) need of the model, ``module:name`` of a
+    #: ``mhc_core.bench.case.BenchmarkCase``; None: they leave the model out.
+    benchmark_case: str | None = None
     #: The modules of device code (the import-layer test keeps host imports out of them).
     device_modules: tuple[str, ...] = ()
     #: The model's own presets file, relative to its distribution folder (codegen reads it).
@@ -103,7 +110,7 @@ class Model:
             raise ValueError(f"Model.key: expected an identifier, got {self.key!r}")
         if not self.package.isidentifier():
             raise ValueError(f"Model.package: expected an identifier, got {self.package!r}")
-        for name in ("preset_type", "op_type", "defaults"):
+        for name in ("preset_type", "op_type", "defaults", "benchmark_case"):
             value = getattr(self, name)
             if value is not None:
                 _split(value)

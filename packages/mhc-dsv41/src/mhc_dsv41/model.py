@@ -27,6 +27,12 @@ MODEL = Model(
     defaults="mhc_dsv41.config:default_geometry",
     reference="mhc_dsv41.reference",
     custom_ops="mhc_dsv41.library",
+    benchmark_suites=(
+        ("dsv41", "mhc_dsv41.bench.suites:dsv41_suite"),
+        ("dsv41-geometry", "mhc_dsv41.bench.suites:dsv41_geometry"),
+    ),
+    benchmark_defaults=("dsv41",),
+    benchmark_case="mhc_dsv41.bench.case:CASE",
     device_modules=("mhc_dsv41.kernel",),
     dynamic_shared=dynamic_shared,
 )

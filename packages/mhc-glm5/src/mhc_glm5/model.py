@@ -32,6 +32,17 @@ MODEL = Model(
     op_type="mhc_glm5.op:AllReduceMhcBoundary",
     reference="mhc_glm5.reference",
     custom_ops="mhc_glm5.library",
+    benchmark_suites=(
+        ("glm5", "mhc_glm5.bench.suites:glm5_suite"),
+        ("glm5-thresholds", "mhc_glm5.bench.suites:glm5_thresholds_suite"),
+        ("glm5-breakdown", "mhc_glm5.bench.suites:glm5_breakdown"),
+        ("glm5-persistent", "mhc_glm5.bench.suites:glm5_persistent"),
+        ("glm5-overlap", "mhc_glm5.bench.overlap:overlap_suite"),
+    ),
+    # glm5-persistent and glm5-overlap are asked for by name (the latter compiles a dozen functions).
+    benchmark_defaults=("glm5", "glm5-thresholds", "glm5-breakdown"),
+    benchmark_tables=(("glm5-overlap", "mhc_glm5.bench.overlap:overlap_table"),),
+    benchmark_case="mhc_glm5.bench.case:CASE",
     device_modules=(
         "mhc_glm5.boundary",
         "mhc_glm5.grouped",

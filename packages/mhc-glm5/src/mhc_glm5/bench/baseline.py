@@ -1,25 +1,21 @@
-"""What an engine runs today: plain, idiomatic PyTorch boundaries (not the rounding-mirroring
-references), eager or under ``torch.compile(mode="max-autotune-no-cudagraphs")``."""
+"""What an engine runs today instead of the fused op: a plain, idiomatic PyTorch boundary (not the
+rounding-mirroring reference), eager or under ``torch.compile(mode="max-autotune-no-cudagraphs")``."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from mhc_glm5.reference import softmax_sinkhorn
 
-
-def dsv41_boundary(x, residual, post, comb, pre, norm_weight, norm_eps: float):
-    """mHC post-mix, carried-pre collapse and RMSNorm after the (already reduced) sublayer output."""
-    mixed = x.float().unsqueeze(1) * post.unsqueeze(-1) + torch.einsum("mih,mij->mjh", residual.float(), comb)
-    residual_out = mixed.to(torch.bfloat16)
-    collapse = torch.einsum("mjh,mj->mh", residual_out.float(), pre).to(torch.bfloat16)
-    return residual_out, F.rms_norm(collapse, (collapse.shape[-1],), norm_weight, norm_eps)
+#: The boundary's constants (the GLM-5.3 presets').
+CONSTANTS = dict(rms_eps=1e-6, hc_eps=1e-6, post_mult=2.0, sinkhorn_repeat=20, norm_eps=1e-5)
 
 
-def glm5_boundary(
+def boundary_with(
     x, residual, post, comb, fn, scale, base, norm_weight, *, rms_eps, hc_eps, post_mult, sinkhorn_repeat, norm_eps
 ):
     """Post-mix, the 24-way prenorm GEMV (a matmul), pre-mix, collapse, RMSNorm, post-mix and a Sinkhorn loop."""
@@ -34,7 +30,15 @@ def glm5_boundary(
     return streams, post_out, mix, layer_input
 
 
+def boundary(*args):
+    """``boundary_with`` the presets' constants."""
+    return boundary_with(*args, **CONSTANTS)
+
+
 @functools.cache
-def compiled(name: str):
-    function = {"dsv41": dsv41_boundary, "glm5": glm5_boundary}[name]
-    return torch.compile(function, mode="max-autotune-no-cudagraphs", dynamic=False)
+def _compiled_with() -> Callable[..., object]:
+    return torch.compile(boundary_with, mode="max-autotune-no-cudagraphs", dynamic=False)
+
+
+def compiled() -> Callable[..., object]:
+    return functools.partial(_compiled_with(), **CONSTANTS)

@@ -8,7 +8,8 @@ function):
 
 * (a) boundary, join;
 * (b) the next sublayer's first GEMM alone: the attention's QKV projection of the GLM-5.3-style demo
-  decoder (``demo.config.GLM5``: 32 query and 8 KV heads of 128), ``[M, 4096] x [4096, 6144 / tp]`` BF16;
+  decoder (``demo.config.GLM5``: 32 query and 8 KV heads of 128; ``ATTENTION`` here, as the package
+  cannot import the repository's ``demo``), ``[M, 4096] x [4096, 6144 / tp]`` BF16;
 * (c) boundary, the GEMM on its ``layer_input``, join: the mixes kernel runs beside the GEMM;
 * (d) boundary, join, the GEMM: nothing runs beside the mixes kernel.
 
@@ -26,22 +27,25 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from demo.config import GLM5
+from mhc_core.bench import SMALL_M
+from mhc_core.bench.records import Context, Record, bf16
 from mhc_glm5 import library  # the torch.ops.mhc ops (no DSL)
 
-from .suites import Context, Record, bf16, glm5_bytes, glm5_inputs
+from .case import call_bytes, inputs
 
-HIDDEN = GLM5.hidden  # 4096: the h200-tp*-h4096 presets
+HIDDEN = 4096  # the demo decoder's: the h200-tp*-h4096 presets
+#: The demo decoder's attention (``demo.config.GLM5.attention``): query heads, KV heads, head size.
+ATTENTION = (32, 8, 128)
 SUITE = "glm5-overlap"
 
 
 def projection_shape(tp: int) -> tuple[int, int]:
     """``(in, out)`` of the QKV projection a rank holds: column-parallel, heads split over ranks."""
-    attention = GLM5.attention
-    out = (attention.heads + 2 * attention.kv_heads) * attention.head_dim
+    heads, kv_heads, head_dim = ATTENTION
+    out = (heads + 2 * kv_heads) * head_dim
     if out % tp:
         raise ValueError(f"tp: the projection's {out} columns do not split over {tp} ranks")
-    return GLM5.hidden, out // tp
+    return HIDDEN, out // tp
 
 
 def gemm_bytes(m: int, tp: int) -> int:
@@ -114,6 +118,11 @@ def compiled_in_order(label: str, arguments: tuple) -> Callable[..., object]:
     return compiled
 
 
+def overlap_suite(ctx: Context, ms: list[int]) -> list[Record]:
+    """``--suite glm5-overlap``: ``glm5_overlap`` at the --m values up to ``SMALL_M``."""
+    return glm5_overlap(ctx, [m for m in ms if m <= SMALL_M])
+
+
 def glm5_overlap(ctx: Context, ms: list[int]) -> list[Record]:
     from mhc_glm5 import AllReduceMhcBoundary
 
@@ -123,8 +132,8 @@ def glm5_overlap(ctx: Context, ms: list[int]) -> list[Record]:
     projection = bf16(n, k) * k**-0.5
     records = []
     for m in ms:
-        arguments = (op, projection, bf16(m, HIDDEN), *glm5_inputs(m, HIDDEN))
-        floor = (glm5_bytes(m, HIDDEN) + gemm_bytes(m, ctx.tp)) / ctx.bandwidth
+        arguments = (op, projection, bf16(m, HIDDEN), *inputs(m, HIDDEN))
+        floor = (call_bytes(m, HIDDEN) + gemm_bytes(m, ctx.tp)) / ctx.bandwidth
         for label in VARIANTS:
             compiled = compiled_in_order(label, arguments)
 
@@ -133,3 +142,17 @@ def glm5_overlap(ctx: Context, ms: list[int]) -> list[Record]:
 
             records.append(Record(SUITE, ctx.tp, m, label, ctx.time(step), floor))
     return records
+
+
+def overlap_table(records: list[Record]) -> str:
+    """(a)-(d) per M, beside (a) + (b), what (d) should take, and (d) - (c), the microseconds the
+    GEMM hid of the side-stream mixes."""
+    lines = ["\nglm5-overlap (median us per call of the compiled function, CUDA-graph replays)"]
+    lines.append("| tp | M | (a) boundary + join | (b) gemm | (a) + (b) | (c) boundary, gemm, join "
+                 "| (d) boundary, join, gemm | hidden: (d) - (c) |")  # fmt: skip
+    lines.append("|---|---|---|---|---|---|---|---|")
+    times = {(r.tp, r.m, r.variant[:3]): r.us for r in records}
+    for tp, m in sorted({(r.tp, r.m) for r in records}):
+        a, b, c, d = (times.get((tp, m, key), float("nan")) for key in ("(a)", "(b)", "(c)", "(d)"))
+        lines.append(f"| {tp} | {m} | {a:.2f} | {b:.2f} | {a + b:.2f} | {c:.2f} | {d:.2f} | {d - c:.2f} |")
+    return "\n".join(lines)
