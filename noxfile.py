@@ -101,7 +101,7 @@ def _install_runtime(session: nox.Session, *packages: str, versions: str = "high
 
 @nox.session(tags=["generate"])
 def generate(session: nox.Session) -> None:
-    """Render presets.toml into the packages' presets/ modules."""
+    """Render each model package's presets.toml into its presets/ modules (the test presets into tests/presets/)."""
     session.install("jinja2")
     session.run("python", "-m", "codegen", *session.posargs)
 

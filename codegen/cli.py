@@ -48,14 +48,17 @@ def check_root(root: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python3 -m codegen",
-        description="Validate presets.toml and render one module per preset (and a registry per model package).",
+        description=(
+            "Validate every model package's presets file and render one module per preset "
+            "(and a registry per model package)."
+        ),
     )
     parser.add_argument("--check", action="store_true", help="write nothing; name stale, missing, orphaned files")
     parser.add_argument(
         "--presets",
         type=Path,
         action="append",
-        help="a presets file (repeatable); default: the repo's presets.toml and each model package's own",
+        help="a presets file (repeatable); default: each model package's own (Model.presets_file in its folder)",
     )
     parser.add_argument("--root", type=Path, default=REPO, help="tree whose packages/ receive the modules")
     args = parser.parse_args(argv)
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     root: Path = args.root
     try:
         check_root(root)
-        presets = load_files(args.presets or default_files(REPO / "presets.toml"))
+        presets = load_files(args.presets or default_files())
         outputs = render_all(presets, root)
         stale, missing, orphaned = plan(outputs, root)
         foreign = [path for path in orphaned if not (path.suffix == ".py" and _is_generated(path))]

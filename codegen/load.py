@@ -1,7 +1,9 @@
-"""Reading presets.toml: every table becomes a validated preset dataclass, or an error naming it.
+"""Reading the presets files: every table becomes a validated preset dataclass, or an error naming it.
 
+Each model package keeps its tables in its own presets file (``Model.presets_file``, e.g.
+``packages/mhc-dsv41/presets.toml``), which holds that model's ``[<key>.<name>]`` tables only.
 An error names the file, the table, the key, the rule and the value, e.g.
-``presets.toml: [dsv41.h200-tp4-h5120] key 'rank_lanes': must divide tp (4); got 3``
+``packages/mhc-dsv41/presets.toml: [dsv41.h200-tp4-h5120] key 'rank_lanes': must divide tp (4); got 3``
 (the dataclasses' ``PresetError`` gives key, rule and value; this module adds the rest).
 """
 
@@ -30,14 +32,16 @@ class CodegenError(Exception):
 
 @dataclass(frozen=True)
 class Preset:
-    """One validated table of presets.toml."""
+    """One validated table of a presets file."""
 
     model: Model
     name: str
     value: Any  # the model's preset dataclass
     #: Keys the table left out that codegen filled, with the rule that filled them.
     filled: dict[str, str]
-    #: The presets file's name, as the generated modules quote it.
+    #: The model's own presets file, as the generated modules name it (``Model.presets_source``),
+    #: whichever copy the run read (``--presets``): a copy renders the same bytes. The name of the
+    #: file read for a model that declares none.
     source: str = "presets.toml"
 
     @property
@@ -135,11 +139,14 @@ def _load_preset(model: Model, name: str, table: object, source: str) -> Preset:
     module = module_name(name)
     if not module.isidentifier() or keyword.iskeyword(module):
         raise CodegenError([f"{where} {_key_error('name', 'must make a Python module name', name)}"])
-    return Preset(model=model, name=name, value=value, filled=filled, source=Path(source).name)
+    quoted = model.presets_source or Path(source).name
+    return Preset(model=model, name=name, value=value, filled=filled, source=quoted)
 
 
-def load_presets(path: Path) -> list[Preset]:
-    """Every preset of ``path``, sorted by model and name; CodegenError lists every bad table."""
+def load_presets(path: Path, owner: Model | None = None) -> list[Preset]:
+    """Every preset of ``path``, sorted by model and name; CodegenError lists every bad table.
+
+    ``owner``: the model whose own presets file ``path`` is; a table of another model is an error."""
     source = display(path)
     try:
         with path.open("rb") as stream:
@@ -159,6 +166,10 @@ def load_presets(path: Path) -> list[Preset]:
         if not isinstance(tables, dict):
             errors.append(f"{source}: [{key}] must hold [{key}.<name>] tables; got {tables!r}")
             continue
+        if owner is not None and model.key != owner.key:
+            where = f" ({model.presets_source})" if model.presets_source else ""
+            errors.append(f"{source}: [{key}] is not {owner.key}'s: {key}'s tables go in its own presets file{where}")
+            continue
         for name, table in tables.items():
             try:
                 presets.append(_load_preset(model, name, table, source))
@@ -169,20 +180,21 @@ def load_presets(path: Path) -> list[Preset]:
     return sorted(presets, key=lambda preset: (preset.model.key, preset.name))
 
 
-def default_files(repo_presets: Path) -> list[Path]:
-    """The repo's presets.toml, then each registered model's own presets file (a package kept apart)."""
-    own = [model.presets_path for model in models().values() if model.presets_path is not None]
-    return [repo_presets, *(path for path in own if path != repo_presets)]
+def default_files() -> list[Path]:
+    """Each registered model's own presets file, in key order (a model without one has no presets)."""
+    return [model.presets_path for model in models().values() if model.presets_path is not None]
 
 
 def load_files(paths: list[Path]) -> list[Preset]:
-    """Every preset of every file in ``paths``; a preset given twice is an error naming both files."""
+    """Every preset of every file in ``paths``; a preset given twice is an error naming both files.
+    A model's own presets file (``default_files``) may hold that model's tables only."""
+    owners = {model.presets_path.resolve(): model for model in models().values() if model.presets_path is not None}
     presets: list[Preset] = []
     errors: list[str] = []
     seen: dict[str, str] = {}
     for path in paths:
         try:
-            loaded = load_presets(path)
+            loaded = load_presets(path, owners.get(path.resolve()))
         except CodegenError as error:
             errors.extend(error.messages)
             continue

@@ -1,5 +1,5 @@
 """The models codegen knows, from the model registry (``mhc_core.registry``): where their presets
-come from and where their modules go."""
+come from (each model package's own presets file) and where their modules go."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class Model:
 
     def __getattr__(self, name: str) -> Any:
         """The entry's fields: ``key``, ``title``, ``config_module``, ``preset_class``, ``op_module``,
-        ``op_class``, ``presets_package``, ``presets_path``..."""
+        ``op_class``, ``presets_package``..."""
         if name == "entry":  # not set yet (copy, pickle): no recursion
             raise AttributeError(name)
         return getattr(self.entry, name)
@@ -36,15 +36,43 @@ class Model:
     def test_presets_package(self) -> str:
         return f"tests.presets.{self.key}"
 
-    def output_dir(self, root: Path) -> Path:
-        """``<package>/presets`` under ``root``'s ``packages/`` for this checkout's packages, else in
-        the distribution folder the model was found in."""
+    @property
+    def in_checkout(self) -> bool:
+        """Whether the model is one of this checkout's packages (``packages/<distribution>``; an
+        installed one counts: codegen renders into the checkout), not a folder found elsewhere."""
         from mhc_core.registry import checkout_packages
 
         source = self.entry.source
-        if source is None or source.parent == checkout_packages():
-            source = root / "packages" / self.entry.distribution
-        return source / "src" / self.entry.package / "presets"
+        return source is None or source.parent == checkout_packages()
+
+    def distribution_dir(self, root: Path) -> Path:
+        """The distribution folder: ``root``'s ``packages/<distribution>`` for this checkout's packages,
+        else the folder the model was found in."""
+        if self.in_checkout:
+            return root / "packages" / self.entry.distribution
+        source: Path = self.entry.source
+        return source
+
+    @property
+    def presets_path(self) -> Path | None:
+        """The model's own presets file (``presets_file`` in its distribution folder), if it declares one."""
+        if self.entry.presets_file is None:
+            return None
+        return self.distribution_dir(REPO) / self.entry.presets_file
+
+    @property
+    def presets_source(self) -> str | None:
+        """The model's own presets file as the generated modules name it: from the repository's root
+        for this checkout's packages, else from its distribution folder (where they are generated)."""
+        if self.entry.presets_file is None:
+            return None
+        if self.in_checkout:
+            return f"packages/{self.entry.distribution}/{self.entry.presets_file}"
+        return str(self.entry.presets_file)
+
+    def output_dir(self, root: Path) -> Path:
+        """``<package>/presets`` in the distribution folder (``distribution_dir``)."""
+        return self.distribution_dir(root) / "src" / self.entry.package / "presets"
 
     def test_output_dir(self, root: Path) -> Path:
         """Where the test presets' modules go (``mhc_core.presets.is_test_preset``): the tests', not the package's."""

@@ -63,7 +63,7 @@ def preset_arguments(preset: Preset) -> list[str]:
 
 
 def render_preset(env: jinja2.Environment, preset: Preset, source: str | None = None) -> str:
-    """``preset``'s module; ``source``: the presets file's name it quotes (default: the one it came from)."""
+    """``preset``'s module; ``source``: the presets file it names (default: its model's, ``Preset.source``)."""
     model, value = preset.model, preset.value
     geometry = value.geometry()
     kernels = {arch: value.kernel_specs(arch) for arch in value.archs}
@@ -138,7 +138,7 @@ def render_all(presets: list[Preset], root: Path) -> list[Output]:
             if tests and not group:
                 continue
             origin = f"[{model.key}] {'test registry' if tests else 'registry'}"
-            source = group[0].source if group else "presets.toml"
+            source = group[0].source if group else (model.presets_source or "presets.toml")
             registry = render_registry(env, model, group, source, tests=tests)
             outputs.append(Output(directory / "__init__.py", registry, origin))
             for preset in group:

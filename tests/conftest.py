@@ -18,13 +18,16 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-for package in ("mhc-core", "mhc-dsv41", "mhc-glm5"):
-    src = ROOT / "packages" / package / "src"
-    module = package.replace("-", "_")
-    if importlib.util.find_spec(module) is None and str(src) not in sys.path:
-        sys.path.insert(0, str(src))
+CORE_SRC = ROOT / "packages" / "mhc-core" / "src"
+if importlib.util.find_spec("mhc_core") is None and str(CORE_SRC) not in sys.path:
+    sys.path.insert(0, str(CORE_SRC))
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+# The model packages are the registry's: discovering them puts the src/ of each one found in this
+# checkout (packages/*/pyproject.toml) on sys.path where it is not importable already.
+from mhc_core import registry  # noqa: E402
+
+registry.models()
 
 os.environ.setdefault("MHC_SPIN_TIMEOUT_MS", "10000")
 for variable, value in (

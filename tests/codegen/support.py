@@ -1,4 +1,6 @@
-"""Helpers for the codegen tests: temporary copies of presets.toml and of the packages' src trees."""
+"""Helpers for the codegen tests: temporary copies of the model packages' presets and src trees.
+
+The models are the registry's (``mhc_core.registry.models()``), each with its own presets file."""
 
 from __future__ import annotations
 
@@ -7,20 +9,32 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from mhc_core import registry
+
 ROOT = Path(__file__).resolve().parents[2]
-PRESETS = ROOT / "presets.toml"
-DISTRIBUTIONS = ("mhc-core", "mhc-dsv41", "mhc-glm5")
+MODELS = registry.models()
+#: Each model's own presets file (``Model.presets_file`` beside its pyproject.toml).
+PRESETS = {
+    key: ROOT / "packages" / model.distribution / model.presets_file
+    for key, model in MODELS.items()
+    if model.presets_file is not None
+}
+DISTRIBUTIONS = ("mhc-core", *(model.distribution for model in MODELS.values()))
+#: Where each model's shipped presets go: its package's ``presets/``.
 OUTPUT_DIRS = {
-    "dsv41": Path("packages/mhc-dsv41/src/mhc_dsv41/presets"),
-    "glm5": Path("packages/mhc-glm5/src/mhc_glm5/presets"),
+    key: Path("packages", model.distribution, "src", model.package, "presets") for key, model in MODELS.items()
 }
 #: Where the test presets (names starting ``test-``) go: the tests', not the packages'.
-TEST_OUTPUT_DIRS = {"dsv41": Path("tests/presets/dsv41"), "glm5": Path("tests/presets/glm5")}
+TEST_OUTPUT_DIRS = {key: Path("tests/presets", key) for key in MODELS}
 
 
 def repo_presets() -> dict[str, Any]:
-    with PRESETS.open("rb") as stream:
-        return tomllib.load(stream)
+    """Every model's tables, ``{key: {name: table}}``, read from the models' own presets files."""
+    document: dict[str, Any] = {}
+    for path in PRESETS.values():
+        with path.open("rb") as stream:
+            document |= tomllib.load(stream)
+    return document
 
 
 def _toml_value(value: Any) -> str:

@@ -1,6 +1,6 @@
 """A bad preset stops codegen before anything is written, with a message naming file, table, key, rule and value.
 
-Each case changes one key of a real table (a copy of the repo's presets.toml) and also
+Each case changes one key of a real table (a copy of the models' presets files, in one file) and also
 changes a good table's description, so a run that wrote anything would show it.
 """
 

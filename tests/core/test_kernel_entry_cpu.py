@@ -19,12 +19,13 @@ import inspect
 
 import pytest
 
+from mhc_core import registry
 from mhc_core.device.kernel import KernelSpec
 from tests import presets
 
 pytest.importorskip("cutlass")
 
-MODELS = ("dsv41", "glm5")
+MODELS = tuple(registry.models())
 
 
 def _preset_kernels() -> list[tuple[str, KernelSpec]]:

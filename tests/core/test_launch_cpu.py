@@ -213,15 +213,17 @@ def test_a_kernels_source_hash_covers_device_code_only() -> None:
     kernel look stale: on the H200 a change to ``host/compiler.py`` did, for GLM's boundary kernels."""
     import importlib
 
+    from mhc_core import registry
     from mhc_core.host import artifacts
 
+    models = registry.models().values()
     host = (
         "mhc_core.host",
-        *(f"{model}.{part}" for model in ("mhc_dsv41", "mhc_glm5") for part in ("op", "library", "presets")),
+        *(part for model in models for part in (model.op_module, model.custom_ops, model.presets_package) if part),
     )
     modules = set()
-    for model in ("mhc_dsv41", "mhc_glm5"):
-        presets = importlib.import_module(f"{model}.presets")
+    for model in models:
+        presets = importlib.import_module(model.presets_package)
         for name in presets.names():
             for kernels in presets.get(name).KERNELS.values():  # arch -> name -> (class path, config)
                 modules.update(path.split(":")[0] for path, _ in kernels.values())

@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from mhc_core import registry
+
 pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = [str(ROOT / "packages" / package / "src") for package in ("mhc-core", "mhc-dsv41", "mhc-glm5")]
+SOURCES = [str(ROOT / "packages" / package / "src") for package in ("mhc-core", *registry.distributions())]
 EXPECTED = {
     "tp1_quickstart.py": "torch.Size([4, 4, 5120]) torch.Size([4, 5120])",
     "dsv41_finalize.py": "torch.Size([8, 4, 5120]) torch.Size([8, 5120])",

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from mhc_core import registry
+
 ROOT = Path(__file__).resolve().parents[2]
 HIDDEN, HC, MIX, TOP_K, M = 64, 4, 24, 2, 5
 BF16, F32 = torch.bfloat16, torch.float32
@@ -55,7 +57,7 @@ def test_the_library_modules_need_no_dsl() -> None:
         "print(sorted(n.removeprefix('mhc::') for n in names if n.startswith('mhc::'))); "
         "print('cutlass' in sys.modules)"
     )
-    sources = [str(ROOT / "packages" / p / "src") for p in ("mhc-core", "mhc-dsv41", "mhc-glm5")]
+    sources = [str(ROOT / "packages" / p / "src") for p in ("mhc-core", *registry.distributions())]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sources)}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     names, dsl = result.stdout.strip().splitlines()

@@ -84,15 +84,19 @@ print(json.dumps({"construction_s": timings, "phases_s": phases, "outputs": outp
 
 
 def shipped_for(arch: str) -> bool:
-    """Whether every H200 preset kernel of both models is in an importable manifest for ``arch``."""
-    sys.path[:0] = [str(ROOT / "packages" / package / "src") for package in ("mhc-core", "mhc-dsv41", "mhc-glm5")]
+    """Whether every H200 preset kernel of every model is in an importable manifest for ``arch``."""
+    import importlib
+
+    from mhc_core import registry
+
+    distributions = ("mhc-core", *registry.distributions())
+    sys.path[:0] = [str(ROOT / "packages" / distribution / "src") for distribution in distributions]
     from mhc_core.device.kernel import KernelSpec
     from mhc_core.host import artifacts
     from mhc_core.host.compiler import CALLING_CONVENTION
-    from mhc_dsv41 import presets as dsv_presets
-    from mhc_glm5 import presets as glm_presets
 
-    for presets in (dsv_presets, glm_presets):
+    for model in registry.models().values():
+        presets = importlib.import_module(model.presets_package)
         for name in (n for n in presets.names() if n.startswith("h200-")):
             for path, config in presets.get(name).PRESET.kernel_specs(arch).values():
                 if artifacts.lookup(artifacts.kernel_key(KernelSpec(path, config), arch, CALLING_CONVENTION)) is None:

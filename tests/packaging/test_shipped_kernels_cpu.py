@@ -17,18 +17,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.packaging.test_wheels import BUILD, PACKAGES, fresh_venv
+from tests.packaging.test_wheels import BUILD, MODELS, PACKAGES, fresh_venv
 
 ROOT = Path(__file__).resolve().parents[2]
-MODELS = {"mhc-dsv41": "mhc_dsv41", "mhc-glm5": "mhc_glm5"}
 
+#: In the fresh venv the registry finds the models through the installed wheels' entry points alone.
 RESOLVE = """
 import importlib, subprocess, sys
+from mhc_core import registry
 from mhc_core.host import artifacts
 from mhc_core.host.compiler import CALLING_CONVENTION
 assert all(str(path).startswith(sys.argv[1]) for path in artifacts.manifests()), artifacts.manifests()
+assert sorted(registry.packages()) == sorted(sys.argv[2].split(",")), registry.packages()
 resolved = 0
-for package in ("mhc_dsv41", "mhc_glm5"):
+for package in registry.packages():
     presets = importlib.import_module(package + ".presets")
     for name in presets.names():
         module = presets.get(name)
@@ -77,7 +79,7 @@ def shipped_wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         source = base / "src" / package
         shutil.copytree(ROOT / "packages" / package, source, ignore=shutil.ignore_patterns("kernels", "__pycache__"))
         if package in MODELS:
-            shutil.copytree(export / MODELS[package] / "kernels", source / "src" / module[0] / "kernels")
+            shutil.copytree(export / module[0] / "kernels", source / "src" / module[0] / "kernels")
         result = subprocess.run([sys.executable, "-c", BUILD, str(out)], cwd=source, capture_output=True, text=True)
         assert result.returncode == 0, f"{package}: {result.stderr}"
         built[package] = out / result.stdout.strip().splitlines()[-1]
@@ -87,10 +89,11 @@ def shipped_wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_model_wheels_carry_a_library_and_manifest_per_arch(shipped_wheels: dict[str, Path]) -> None:
     import importlib
 
-    for package, module in MODELS.items():
+    for package, model in MODELS.items():
+        module = model.package
         wheel = shipped_wheels[package]
         assert wheel.name.endswith("-py3-none-linux_x86_64.whl"), wheel.name
-        presets = importlib.import_module(f"{module}.presets")
+        presets = importlib.import_module(model.presets_package)
         archs = {arch for name in presets.names() for arch in presets.get(name).PRESET.archs}
         with zipfile.ZipFile(wheel) as archive:
             names = set(archive.namelist())
@@ -115,7 +118,8 @@ def test_a_fresh_venv_resolves_every_preset_kernel(shipped_wheels: dict[str, Pat
     install = subprocess.run(["python3", "-m", "pip", "install", *wheels], env=env, capture_output=True, text=True)
     assert install.returncode == 0, install.stdout + install.stderr
     python = tmp_path / "venv" / "bin" / "python3"
-    resolve = subprocess.run([python, "-c", RESOLVE, str(purelib)], env=env, capture_output=True, text=True)
+    packages = ",".join(model.package for model in MODELS.values())
+    resolve = subprocess.run([python, "-c", RESOLVE, str(purelib), packages], env=env, capture_output=True, text=True)
     assert resolve.returncode == 0, resolve.stderr[-3000:]
     assert int(resolve.stdout.split()[-1]) > 90, resolve.stdout  # 99 shipped preset kernels (2026-12-03)
     load = subprocess.run([python, "-c", LOAD], env=env, capture_output=True, text=True)
@@ -129,8 +133,8 @@ def test_the_test_presets_are_not_shipped(shipped_wheels: dict[str, Path]) -> No
     from mhc_core.host.compiler import CALLING_CONVENTION
     from tests import presets
 
-    for package, module in MODELS.items():
-        model = module.removeprefix("mhc_")
+    for package, entry in MODELS.items():
+        model = entry.key
         with zipfile.ZipFile(shipped_wheels[package]) as archive:
             names = archive.namelist()
             shipped = {

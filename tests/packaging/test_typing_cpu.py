@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from mhc_core import registry
+
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = [ROOT / "packages" / package / "src" for package in ("mhc-core", "mhc-dsv41", "mhc-glm5")]
+SOURCES = [ROOT / "packages" / package / "src" for package in ("mhc-core", *registry.distributions())]
 STRICT = [
     "mhc-core/src/mhc_core/__init__.py",
     "mhc-core/src/mhc_core/host/op.py",

@@ -17,17 +17,21 @@ from pathlib import Path
 
 import pytest
 
+from mhc_core import registry
+
 ROOT = Path(__file__).resolve().parents[2]
 DSL = "nvidia-cutlass-dsl==4.8.1"
 #: 2.11: the GPU hosts' torch (2.11.0+cu130); below 2.14: 2.13.0, CI's, is the newest run (private symm_mem API).
 TORCH = "torch>=2.11,<2.14"
+#: The model packages: the registry's (``mhc_kernels.models`` entry points), by distribution name.
+MODELS = {model.distribution: model for model in registry.models().values()}
 PACKAGES = {
     # distribution: (import name, pins its METADATA must declare). No base pin names a CUDA major
     # (issue #34): the DSL's runtime comes from an extra.
     # apache-tvm-ffi: the launch convention (no numpy: spin.py reads the error report through ctypes).
     "mhc-core": ("mhc_core", {TORCH, "apache-tvm-ffi<0.2,>=0.1.15"}),
-    "mhc-dsv41": ("mhc_dsv41", {"mhc-core~=0.6.0", TORCH}),  # 0.6.0: the startup votes, mailbox_allocation
-    "mhc-glm5": ("mhc_glm5", {"mhc-core~=0.6.0", TORCH}),
+    # Every model package: mhc-core (0.6.0: the startup votes, mailbox_allocation) and torch.
+    **{distribution: (model.package, {"mhc-core~=0.6.0", TORCH}) for distribution, model in MODELS.items()},
 }
 #: mhc-core's extras: the DSL's CUDA 12 libraries (with CUDA 12 bindings) or CUDA 13 ones, and the
 #: compiler ([jit]); the model packages' extras name mhc-core's.
@@ -40,9 +44,10 @@ CORE_EXTRAS = {
     "jit": {'nvidia-cutlass-dsl==4.8.1; extra == "jit"'},
 }
 MODEL_EXTRAS = {extra: {f'mhc-core[{extra}]~=0.6.0; extra == "{extra}"'} for extra in CORE_EXTRAS}
-EXTRAS = {"mhc-core": CORE_EXTRAS, "mhc-dsv41": MODEL_EXTRAS, "mhc-glm5": MODEL_EXTRAS}
-#: Each package's own version (its __init__); bumped when its kernels or API change.
-VERSIONS = {"mhc-core": "0.6.0", "mhc-dsv41": "0.5.2", "mhc-glm5": "0.9.2"}
+EXTRAS = {"mhc-core": CORE_EXTRAS, **dict.fromkeys(MODELS, MODEL_EXTRAS)}
+#: Each package's own version (its __init__); bumped when its kernels or API change. A model
+#: package not listed here is checked against its __init__ alone.
+KNOWN_VERSIONS = {"mhc-core": "0.6.0", "mhc-dsv41": "0.5.2", "mhc-glm5": "0.9.2"}
 #: mhc-core ships its host library (libmhc_host.so, built from executor.cc): always platform-tagged.
 NATIVE = ("mhc_core/host/native/libmhc_host.so",)
 LICENSE = ROOT / "LICENSE"
@@ -61,6 +66,10 @@ def version_of(package: str) -> str:
     match = re.search(r'^__version__ = "([^"]+)"$', text, re.MULTILINE)
     assert match, f"{package}: no __version__"
     return match.group(1)
+
+
+#: Each package's version: ``KNOWN_VERSIONS``'s, or its __init__'s where it has no entry there.
+VERSIONS = {package: KNOWN_VERSIONS.get(package) or version_of(package) for package in PACKAGES}
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +137,7 @@ def test_contents(package: str, wheels: dict[str, Path]) -> None:
     assert shipped - kernels == expected
 
 
-@pytest.mark.parametrize("package", ["mhc-dsv41", "mhc-glm5"])
+@pytest.mark.parametrize("package", MODELS)
 def test_presets_are_shipped(package: str, wheels: dict[str, Path]) -> None:
     module = PACKAGES[package][0]
     names = set(zipfile.ZipFile(wheels[package]).namelist())
@@ -164,11 +173,12 @@ def test_license(package: str, wheels: dict[str, Path]) -> None:
 INSTALL_ALL = "python3 -m pip install dist/*.whl"
 INSTALL_ONE = "python3 -m pip install dist/mhc_core-*.whl dist/mhc_dsv41-*.whl"
 IMPORTS = {
-    INSTALL_ALL: ["mhc-core", "mhc-dsv41", "mhc-glm5"],
+    INSTALL_ALL: ["mhc-core", *MODELS],
     INSTALL_ONE: ["mhc-core", "mhc-dsv41"],
 }
 #: Classes whose first use loads torch (not the DSL compiler): the dependencies resolve in the new venv.
-CLASSES = {"mhc_core": "LamportAllReduce", "mhc_dsv41": "AllReduceMHC", "mhc_glm5": "AllReduceMhcBoundary"}
+#: A model package's is its op (``Model.op_type``), which its ``__init__`` exports.
+CLASSES = {"mhc_core": "LamportAllReduce", **{model.package: model.op_class for model in MODELS.values()}}
 CHECK = """
 import sys, {modules}
 for module in ({modules},):
@@ -235,7 +245,7 @@ def test_readme_install(command: str, wheels: dict[str, Path], tmp_path: Path) -
     assert install.returncode == 0, install.stdout + install.stderr
     packages = IMPORTS[command]
     installed = sorted(path.name for path in purelib.glob("mhc_*.dist-info"))
-    assert installed == [f"{PACKAGES[package][0]}-{VERSIONS[package]}.dist-info" for package in packages]
+    assert installed == sorted(f"{PACKAGES[package][0]}-{VERSIONS[package]}.dist-info" for package in packages)
     modules = [PACKAGES[package][0] for package in packages]
     code = CHECK.format(
         modules=", ".join(modules),
