@@ -33,6 +33,14 @@ def loop_bodies(ptx: str) -> list[list[str]]:
     return bodies
 
 
+_RUNTIME_DIVISION = re.compile(r"\b(?:div|rem)\.[su](?:32|64)\s+%\w+,\s*%\w+,\s*%\w+;")
+
+
+def runtime_divisions(ptx: str) -> int:
+    """Integer divisions and remainders by a register (by a constant, ptxas multiplies instead)."""
+    return sum(bool(_RUNTIME_DIVISION.search(line)) for line in instructions(ptx))
+
+
 def count(ptx: str, needle: str) -> int:
     return sum(needle in line for line in instructions(ptx))
 

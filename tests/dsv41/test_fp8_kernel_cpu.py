@@ -15,7 +15,7 @@ import dataclasses
 
 import pytest
 
-from tests.ptx_checks import count, has_local_memory
+from tests.ptx_checks import count, has_local_memory, runtime_divisions
 
 FORMATS = ("fp32-g128", "ue8m0-g128-packed", "mx-g32")
 #: (preset, arch): the H200 tp 1 preset (one trip); a GB300 one on sm_100a; three trips in rank-lane
@@ -196,6 +196,10 @@ def test_fp8_collective_compiles_and_quantises(preset: str, arch: str, fmt: str,
             assert count(ptx, "div.rn.f32") == NORM_DIVISIONS + trips
             assert count(ptx, "rcp.") == 0
             assert count(ptx, "st.global.u8") == trips, "one exponent byte per group (its first fragment's lane)"
+    # No integer division by a runtime value (M) of the quantiser's (the padding rows' share of a
+    # token cost DSV 0.35 us at M = 1: BENCHMARKS.md, eighteenth run).
+    for ptx in (both.ptx, alone):
+        assert runtime_divisions(ptx) == runtime_divisions(plain), "an integer division by a register"
     # The swizzled layout zeroes whole 16-byte units of padding rows with one 16-byte store.
     bf16_stores = count(plain, "st.global.v4.u32") + PADDING_UNIT_STORES[layout]
     assert count(both.ptx, "st.global.v4.u32") == bf16_stores, "the BF16 layer input beside the FP8 one"

@@ -20,7 +20,7 @@ of zeros (every group all-zero); with FP32 scales every group above the floor ha
 
 The matrix (``CONFIGS``, 8 ops): every H200 preset in both modes, every format in both modes at
 tp > 1. The TP1 preset's both-outputs op keeps all its boundary variants (one-token, x8, x16,
-persistent: M = 1, 20, 130, 300); the other ops keep the one-token kernel alone (``cluster_tokens``
+persistent: M = 1, 20, 130, 301); the other ops keep the one-token kernel alone (``cluster_tokens``
 emptied, as their BF16 references'): ``test_fp8_kernel_gpu`` covers every variant x format. New
 kernels: the TP1 op's x8 and persistent ones and the six tp > 1 one-token ones (8); the rest are
 ``test_fp8_kernel_gpu``'s. A poisoned op (closed, a captured graph replayed) writes NaN codes and
@@ -55,9 +55,9 @@ CONFIGS: tuple[tuple[str, str, bool, bool], ...] = (
     ("h200-tp8-h4096", "ue8m0-g128-packed", False, False),
 )
 #: Calls per op, (M, how): the TP1 preset's variants from their thresholds (x8 from 16, x16 from 128,
-#: persistent from 256); M = 1, 5 and 130 otherwise (padding rows of both UE8M0 layouts, a second
-#: 128-row tile).
-EVERY_VARIANT_CALLS = ((1, "call"), (20, "moe"), (130, "collect"), (300, "call"))
+#: persistent from 256: 301 pads both UE8M0 layouts); M = 1, 5 and 130 otherwise (padding rows of
+#: both UE8M0 layouts, a second 128-row tile).
+EVERY_VARIANT_CALLS = ((1, "call"), (20, "moe"), (130, "collect"), (301, "call"))
 ONE_TOKEN_CALLS = ((1, "call"), (5, "moe"), (130, "collect"), (5, "call"))
 #: Tokens of the one-token ops (their BF16 references are built for it too).
 ONE_TOKEN_CAPACITY = 136

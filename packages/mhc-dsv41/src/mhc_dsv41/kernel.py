@@ -306,6 +306,8 @@ class LamportMHCKernel(DeviceKernel):
                     (comb + (Int64(first_token) * hc + source) * hc + target).llvm_ptr, Float32
                 )
         cute.arch.griddepcontrol_wait()
+        if cutlass.const_expr(config.quantizes):
+            self.zero_scale_padding(layer_input_scales, m, first_token, clusters, cluster_rank, tidx)
         place = ThreadPlace(tidx, cluster_rank, lane, leader, group, base_fragment)
         staging = StagingBuffers(stream_stage, x_stage, mix_stage)
         sources = TokenSources(residual, post, comb, pre, x)
@@ -488,6 +490,22 @@ class LamportMHCKernel(DeviceKernel):
         return poisoned
 
     @cute.jit
+    def zero_scale_padding(
+        self, layer_input_scales: cute.Pointer, m: Int32, cluster: Int32, clusters: Int32, cluster_rank: Int32,
+        tidx: Int32,
+    ) -> None:  # fmt: skip
+        """This thread's share of the scale padding rows (``quant.store_padding_rows``), over every
+        thread of the grid's clusters. Right after the PDL wait: the stores leave before the poll, so
+        at M = 1 their latency hides behind it instead of lengthening the kernel's tail."""
+        config = self.config
+        cluster_threads = config.cluster_size * config.threads
+        thread = cluster * Int32(cluster_threads) + cluster_rank * Int32(config.threads) + tidx
+        quant.store_padding_rows(
+            config.scale_layout, layer_input_scales.toint(), m, thread, clusters * Int32(cluster_threads),
+            config.scale_groups,
+        )  # fmt: skip
+
+    @cute.jit
     def store_quantized_layer_input(
         self, token: Int32, m: Int32, prenorm_words: cute.Tensor, gamma_words: cute.Tensor, inv_rms: Float32,
         outputs: TokenOutputs, place: ThreadPlace,
@@ -499,14 +517,14 @@ class LamportMHCKernel(DeviceKernel):
         consecutive fragments of one trip in one CTA, held by the leaders of an aligned segment of
         ``group / 8 * rank_lanes`` lanes of one warp. ``quant.segment_max`` leaves the group's absmax
         in every lane of it; each leader computes the scale, quantises its own fragment and stores
-        its 8 codes; the leader of the group's first fragment stores the scale. The cluster then
-        zeroes the scale padding rows that fall to this token.
+        its 8 codes; the leader of the group's first fragment stores the scale. (The scale padding
+        rows are zeroed once per thread, right after the PDL wait: ``zero_scale_padding``.)
         """
         config = self.config
         hidden, layout, groups = config.hidden, config.scale_layout, config.scale_groups
         layer_input = outputs.layer_input
         layer_input_q, layer_input_scales = outputs.layer_input_q, outputs.layer_input_scales
-        tidx, cluster_rank, leader, base_fragment = place.tidx, place.cluster_rank, place.leader, place.base_fragment
+        leader, base_fragment = place.leader, place.base_fragment
         fragments_per_group = config.fp8_group // VEC_BF16
         steps = fragments_per_group.bit_length() - 1  # log2: a group is 4 or 16 fragments
         scales = layer_input_scales.toint()
@@ -536,10 +554,6 @@ class LamportMHCKernel(DeviceKernel):
                 if fragment % fragments_per_group == 0:
                     group_index = fragment // fragments_per_group
                     quant.store_group_scale(layout, scales, token, group_index, m, groups, code)
-        quant.store_padding_rows(
-            layout, scales, token, m, cluster_rank * config.threads + tidx, config.cluster_size * config.threads,
-            groups,
-        )  # fmt: skip
 
     @cute.jit
     def stage_token(

@@ -428,7 +428,7 @@ class BoundaryKernel(DeviceKernel):
             store.exchange()
             absmax = store.group_max(Int32(0), warp, absmax)
             store.store(token, fragment, args.m, words, absmax, lane == 0)
-            store.store_padding(token, args.m, cluster_rank * config.threads + tidx, cluster * config.threads)
+            store.store_padding(args.m, cluster_rank, tidx, config.threads, cluster)
         stages.finish(
             tidx, args.stage_state, args.arrivals, stage, stages.group_count(args.m, 1), cluster_rank, polled, poisoned
         )

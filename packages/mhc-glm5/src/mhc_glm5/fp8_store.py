@@ -32,8 +32,8 @@ exact, and a NaN wins.
 
 Stores: the lane holding a fragment (lane ``j = 0`` of the CUDA-core kernels' four) stores its 8
 codes in one 8-byte store; the one holding a group's first fragment stores its scale (4 bytes, or
-1 plus the padding bytes after the last group in its word); for each token, the cluster's threads
-zero the scale padding rows that fall to it (``quant.store_padding_rows``), so the host allocates
+1 plus the padding bytes after the last group in its word); after its tokens, every thread of the
+grid takes its share of the scale padding rows (``quant.store_padding_rows``), so the host allocates
 the scales with ``torch.empty``.
 
 A poisoned op's layer input is NaN (``mhc_glm5.boundary``), so every code is NaN (0x7F) and every
@@ -179,9 +179,14 @@ class Fp8Store:
 
     @cute.jit
     def store_padding(
-        self, token: Int32, m: Int32, thread: Int32, threads: cutlass.Constexpr[int],
-        units: cutlass.Constexpr[bool] = True,
+        self, m: Int32, cluster_rank: Int32, tidx: Int32, threads: cutlass.Constexpr[int],
+        cluster_size: cutlass.Constexpr[int],
     ) -> None:  # fmt: skip
-        """The scale padding rows that fall to ``token``, shared by the cluster's ``threads`` threads
-        (``thread``: this one's index among them); ``units``: ``quant.store_padding_rows``'."""
-        quant.store_padding_rows(self.layout, self.scales, token, m, thread, threads, self.groups, units)
+        """The scale padding rows, shared by every thread of the grid's clusters (``cluster_size`` CTAs
+        of ``threads``; the grid's x is the cluster): once per thread, after its tokens' stores
+        (``quant.store_padding_rows``)."""
+        cluster, _, _ = cute.arch.block_idx()
+        clusters, _, _ = cute.arch.grid_dim()
+        cluster_threads = threads * cluster_size
+        thread = cluster * Int32(cluster_threads) + cluster_rank * Int32(threads) + tidx
+        quant.store_padding_rows(self.layout, self.scales, m, thread, clusters * Int32(cluster_threads), self.groups)

@@ -192,7 +192,7 @@ class GroupBoundaryKernel(BoundaryKernel):
     ):  # fmt: skip
         """Every token's layer input as FP8 (``mhc_glm5.fp8_store``): the fragment computed in every
         lane of its 4, its group's absmax, then lane 0's codes and the scale. A repeated token (a short
-        last group) writes the same values again; its scale padding rows are zeroed once."""
+        last group) writes the same values again. Then this thread's share of the scale padding rows."""
         config = self.config
         tokens = config.tokens
         for t in cutlass.range_constexpr(tokens):
@@ -214,7 +214,4 @@ class GroupBoundaryKernel(BoundaryKernel):
                 token = cutlass.min(first + t, last)
                 store.store_bf16(token, fragment, words, lane == 0)
                 store.store(token, fragment, args.m, words, store.group_max(Int32(t), warp, Uint32(0)), lane == 0)
-        threads = config.threads
-        for t in cutlass.range_constexpr(tokens):
-            if first + t <= last:
-                store.store_padding(first + t, args.m, cluster_rank * threads + tidx, config.cluster_size * threads)
+        store.store_padding(args.m, cluster_rank, tidx, config.threads, config.cluster_size)

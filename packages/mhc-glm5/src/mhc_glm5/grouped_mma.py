@@ -227,6 +227,8 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
             args, staged, sums, gamma_words, first, last,
             LanePlace(cluster_rank, tidx, warp, lane_id, local, first_fragment, g, q), store,
         )  # fmt: skip
+        if cutlass.const_expr(store is not None):
+            store.store_padding(args.m, cluster_rank, tidx, threads, cluster)
         stages.finish(
             tidx, args.stage_state, args.arrivals, stage, stages.group_count(args.m, tokens), cluster_rank, polled,
             poisoned,
@@ -522,8 +524,8 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
     ):  # fmt: skip
         """Every token's layer input as FP8 (``mhc_glm5.fp8_store``): lane ``(g, q)``'s fragment ``q``
         of token ``g`` computed for every token (the shuffles and the barrier need every lane), its
-        group's absmax, then the codes and the scale of the tokens up to M; then the scale padding
-        rows that fall to the group's tokens."""
+        group's absmax, then the codes and the scale of the tokens up to M. The scale padding rows come
+        once per thread, after the last group (``Fp8Store.store_padding``, from the kernel's body)."""
         config = self.config
         tokens = config.tokens
         halves = tokens // TOKENS_PER_HALF
@@ -549,10 +551,3 @@ class MmaGroupBoundaryKernel(BoundaryKernel):
                 active = first + t <= last
                 store.store_bf16(first + t, fragment, words, active)
                 store.store(first + t, fragment, args.m, words, store.group_max(t, warp, Uint32(0)), active)
-        threads = self.block_threads()
-        for t in cutlass.range_constexpr(tokens):
-            if first + t <= last:
-                # 4-byte padding stores: the 16-byte units' loop, unrolled per token, spills at 64 registers.
-                store.store_padding(
-                    first + t, args.m, sums.cluster_rank * threads + sums.tidx, config.cluster_size * threads, False
-                )

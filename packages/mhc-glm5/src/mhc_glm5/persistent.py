@@ -224,6 +224,8 @@ class PersistentBoundaryKernel(MmaGroupBoundaryKernel):
         self.store_held(args, held, previous + g, last, first_fragment + q)
         cute.arch.cluster_wait()
         self.store_layer_input(args, final, prenorm, gamma_words, previous, last, first_fragment, g, q, store, warp)
+        if cutlass.const_expr(store is not None):
+            store.store_padding(args.m, cluster_rank, tidx, threads, cluster)
         stages.finish(tidx, args.stage_state, args.arrivals, stage, clusters, cluster_rank, polled, poisoned)
 
     def buffer(self, staged_buffers: cute.Pointer, index: Int32) -> cute.Pointer:

@@ -247,86 +247,52 @@ def store_group_scale(
 
 @cute.jit
 def store_padding_rows(
-    layout: cutlass.Constexpr[str],
-    scales: Int64,
-    token: Int32,
-    m: Int32,
-    thread: Int32,
-    threads: cutlass.Constexpr[int],
+    layout: cutlass.Constexpr[str], scales: Int64, m: Int32, thread: Int32, threads: Int32,
     groups: cutlass.Constexpr[int],
-    units: cutlass.Constexpr[bool] = True,
-) -> None:
-    """Zero the scale words of padding rows ``m .. padded_rows(m) - 1``, the share of ``token``.
+) -> None:  # fmt: skip
+    """Zero the scale words of padding rows ``m .. padded_rows(m) - 1``, shared by ``threads`` threads
+    of the launch (``thread``: this one's index among them, e.g. ``cluster * cluster_threads +
+    rank * threads + tidx`` over the grid's clusters). Every thread calls it once, after the PDL wait,
+    where few values are live: per token, unrolled, it cost a tensor-core kernel 2 us even at an M
+    with no padding rows (a runtime division by M per token, and the code beside the token loop).
 
-    The ``threads`` threads that handle ``token`` (``thread`` is this one's index among them, e.g.
-    its rank in the cluster) and those of every other token split the padding. ``swizzled-128x4``
-    zeroes whole 16-byte units (``_zero_swizzled_padding``) unless ``units`` is False: a kernel at its
-    register cap that unrolls this per token (the tensor-core GLM boundary) keeps one 4-byte store
-    per padding row and word, whose loop holds fewer values. ``mn-major-packed`` (at most 3 rows)
-    steps through its rows without a division (``_zero_packed_padding``). Nothing for ``row-major``.
+    ``swizzled-128x4`` zeroes whole 16-byte units (``_zero_swizzled_padding``), ``mn-major-packed``
+    (at most 3 rows) one 4-byte word per padding row and word (``_zero_packed_padding``). Neither
+    divides by M. Nothing for ``row-major``. No store touches a byte of a real row's scales.
     """
-    if cutlass.const_expr(layout == SWIZZLED_128X4 and units):
-        _zero_swizzled_padding(scales, token, m, thread, threads, groups)
+    if cutlass.const_expr(layout == SWIZZLED_128X4):
+        _zero_swizzled_padding(scales, m, thread, threads, groups)
     elif cutlass.const_expr(layout == MN_MAJOR_PACKED):
-        _zero_packed_padding(layout, scales, token, m, thread, threads, groups)
-    elif cutlass.const_expr(layout != ROW_MAJOR):
-        _zero_padding_words(layout, scales, token, m, thread, threads, groups)
+        _zero_packed_padding(layout, scales, m, thread, threads, groups)
 
 
 @cute.jit
-def _zero_padding_words(
-    layout: cutlass.Constexpr[str], scales: Int64, token: Int32, m: Int32, thread: Int32,
-    threads: cutlass.Constexpr[int], groups: cutlass.Constexpr[int],
+def _zero_packed_padding(
+    layout: cutlass.Constexpr[str], scales: Int64, m: Int32, thread: Int32, threads: Int32,
+    groups: cutlass.Constexpr[int],
 ) -> None:  # fmt: skip
-    """One 4-byte store per padding row and scale word (``swizzled-128x4`` without units), over a
-    flat loop of rows x words. Padding row ``m + j`` falls to token ``j % m``."""
+    """``mn-major-packed``: one 4-byte store per padding row and scale word, item ``i`` of the flat
+    rows x words loop to thread ``i % threads`` (a constant divisor: the words per row)."""
     words_per_row = _ceil_div(groups, GROUPS_PER_WORD)
-    padding = padded_rows(layout, m) - m
-    rows = Int32(0)
-    if token < padding:
-        rows = (padding - token + m - Int32(1)) // m
-    for item in range(thread, rows * Int32(words_per_row), threads):
-        row = m + token + (item // Int32(words_per_row)) * m
+    items = (padded_rows(layout, m) - m) * Int32(words_per_row)
+    for item in range(thread, items, threads):
+        row = m + item // Int32(words_per_row)
         word = item % Int32(words_per_row)
         offset = scale_offset(layout, row, word * Int32(GROUPS_PER_WORD), m, groups)
         ptx.store_u32(scales + offset, Uint32(0))
 
 
 @cute.jit
-def _zero_packed_padding(
-    layout: cutlass.Constexpr[str], scales: Int64, token: Int32, m: Int32, thread: Int32,
-    threads: cutlass.Constexpr[int], groups: cutlass.Constexpr[int],
-) -> None:  # fmt: skip
-    """``mn-major-packed`` (at most 3 padding rows): one 4-byte store per padding row and scale word.
-    Padding row ``m + j`` falls to token ``j % m``: the rows ``j = token, token + m, ...`` below the
-    padding, stepped through without a division (at M = 1 the runtime division by M that
-    ``_zero_padding_words`` does cost every thread's tail more than the stores)."""
-    words_per_row = _ceil_div(groups, GROUPS_PER_WORD)
-    padding = padded_rows(layout, m) - m
-    for j in range(token, padding, m):
-        row = m + j
-        if cutlass.const_expr(words_per_row <= threads):
-            if thread < Int32(words_per_row):
-                offset = scale_offset(layout, row, thread * Int32(GROUPS_PER_WORD), m, groups)
-                ptx.store_u32(scales + offset, Uint32(0))
-        else:
-            for word in range(thread, words_per_row, threads):
-                offset = scale_offset(layout, row, word * Int32(GROUPS_PER_WORD), m, groups)
-                ptx.store_u32(scales + offset, Uint32(0))
-
-
-@cute.jit
 def _zero_swizzled_padding(
-    scales: Int64, token: Int32, m: Int32, thread: Int32, threads: cutlass.Constexpr[int],
-    groups: cutlass.Constexpr[int],
-) -> None:  # fmt: skip
+    scales: Int64, m: Int32, thread: Int32, threads: Int32, groups: cutlass.Constexpr[int]
+) -> None:
     """``swizzled-128x4``: the padding rows all lie in the last 128-row tile, which holds ``k``
     real rows. In each of that tile's 4-group blocks, the 16 bytes at ``r * 16`` hold rows ``r``,
     ``r + 32``, ``r + 64`` and ``r + 96`` (4 bytes each). A 16-byte unit whose rows are all padding
     (``r >= k``) takes one 16-byte store; a unit that also holds real rows takes one 4-byte store per
-    padding row, so no store touches a byte another token writes. The units are spread over every
-    token's threads: at M = 1 (127 padding rows) that is about two stores per thread of a
-    640-thread cluster, where one 4-byte store per padding row and word took eight."""
+    padding row, so no store touches a byte a real row's scale takes. Unit ``i`` goes to thread
+    ``i % threads``: at M = 1 (127 padding rows) about two stores per thread of a 640-thread
+    cluster, where one 4-byte store per padding row and word took eight."""
     blocks = _ceil_div(groups, GROUPS_PER_WORD)
     tile_rows = Int32(SWIZZLE_TILE_ROWS)
     last_tile = (m - Int32(1)) // tile_rows
@@ -337,7 +303,7 @@ def _zero_swizzled_padding(
     tile = scales + Int64(last_tile) * (blocks * SWIZZLE_TILE_BYTES)
     zeros = cute.make_rmem_tensor(cute.make_layout((4,)), Uint32)
     zeros.fill(Uint32(0))
-    for item in range(token * Int32(threads) + thread, units, m * Int32(threads)):
+    for item in range(thread, units, threads):
         r = first + item // Int32(blocks)
         unit = tile + Int64(item % Int32(blocks)) * SWIZZLE_TILE_BYTES + Int64(r) * SWIZZLE_ROW_BYTES
         if r >= real:
