@@ -11,6 +11,7 @@ import torch
 from mhc_core.bench.baselines import boundary_baselines
 from mhc_core.bench.floors import mailbox_floor
 from mhc_core.bench.records import Context, Record, bf16
+from mhc_core.host.op import MAX_NUM_TOKENS
 
 from . import baseline
 from .case import CASE, call_bytes
@@ -38,8 +39,9 @@ def dsv41_suite(ctx: Context, ms: list[int], hidden: int = 5120) -> list[Record]
 #: M, clusters, staged tokens): the H200 preset's geometry (5 CTAs of 128 threads, one trip over
 #: hidden 5120's 640 fragments) with the one-token collective at every M, and with the persistent one
 #: at every M (the clusters the op picks, None: ``mhc_dsv41.config.resident_clusters``, or fewer; one
-#: token staged ahead, or two); the op itself switches at ``PERSISTENT_MIN_TOKENS``.
-ONE_TOKEN_ONLY = 1 << 30
+#: token staged ahead, or two); the op itself switches at ``PERSISTENT_MIN_TOKENS``. One-token only:
+#: the persistent collective from the largest M an op allows (``1 << 30`` was one past it, refused).
+ONE_TOKEN_ONLY = MAX_NUM_TOKENS
 GEOMETRIES = (
     (5, 128, ONE_TOKEN_ONLY, None, 2), (5, 128, 1, None, 2), (5, 128, 1, 88, 3), (5, 128, 1, 66, 2),
 )  # fmt: skip
