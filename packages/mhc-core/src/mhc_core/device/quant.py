@@ -271,15 +271,17 @@ def _zero_packed_padding(
     layout: cutlass.Constexpr[str], scales: Int64, m: Int32, thread: Int32, threads: Int32,
     groups: cutlass.Constexpr[int],
 ) -> None:  # fmt: skip
-    """``mn-major-packed``: one 4-byte store per padding row and scale word, item ``i`` of the flat
-    rows x words loop to thread ``i % threads`` (a constant divisor: the words per row)."""
+    """``mn-major-packed``: one 4-byte store per padding row and scale word. The padding rows of a
+    word are consecutive words in memory (MN-major), so item ``i`` is word ``i // 4``, row ``m + i % 4``
+    (rows past the padding skip): neighbouring threads store neighbouring words."""
     words_per_row = _ceil_div(groups, GROUPS_PER_WORD)
-    items = (padded_rows(layout, m) - m) * Int32(words_per_row)
-    for item in range(thread, items, threads):
-        row = m + item // Int32(words_per_row)
-        word = item % Int32(words_per_row)
-        offset = scale_offset(layout, row, word * Int32(GROUPS_PER_WORD), m, groups)
-        ptx.store_u32(scales + offset, Uint32(0))
+    padding = padded_rows(layout, m) - m
+    for item in range(thread, words_per_row * PACKED_ROW_ALIGN, threads):
+        row = item % Int32(PACKED_ROW_ALIGN)
+        if row < padding:
+            word = item // Int32(PACKED_ROW_ALIGN)
+            offset = scale_offset(layout, m + row, word * Int32(GROUPS_PER_WORD), m, groups)
+            ptx.store_u32(scales + offset, Uint32(0))
 
 
 @cute.jit
@@ -287,28 +289,26 @@ def _zero_swizzled_padding(
     scales: Int64, m: Int32, thread: Int32, threads: Int32, groups: cutlass.Constexpr[int]
 ) -> None:
     """``swizzled-128x4``: the padding rows all lie in the last 128-row tile, which holds ``k``
-    real rows. In each of that tile's 4-group blocks, the 16 bytes at ``r * 16`` hold rows ``r``,
-    ``r + 32``, ``r + 64`` and ``r + 96`` (4 bytes each). A 16-byte unit whose rows are all padding
-    (``r >= k``) takes one 16-byte store; a unit that also holds real rows takes one 4-byte store per
-    padding row, so no store touches a byte a real row's scale takes. Unit ``i`` goes to thread
-    ``i % threads``: at M = 1 (127 padding rows) about two stores per thread of a 640-thread
-    cluster, where one 4-byte store per padding row and word took eight."""
+    real rows. The tile is an array of 16-byte units, unit ``u`` at ``u * 16``: in each 4-group
+    block of 512 bytes, unit ``r`` (``u % 32``) holds rows ``r``, ``r + 32``, ``r + 64`` and ``r + 96``
+    (4 bytes each). A unit whose rows are all padding (``r >= k``) takes one 16-byte store; a unit
+    that also holds real rows one 4-byte store per padding row, so no store touches a byte a real
+    row's scale takes. Unit ``u`` goes to thread ``u % threads``: a warp's stores are 512
+    consecutive bytes, whole sectors. (Units strided over the blocks left every 16-byte store half a
+    sector: at M = 1, 127 padding rows, DSV's mx-g32 op spent 0.3 us on them.)"""
     blocks = _ceil_div(groups, GROUPS_PER_WORD)
     tile_rows = Int32(SWIZZLE_TILE_ROWS)
     last_tile = (m - Int32(1)) // tile_rows
     real = m - last_tile * tile_rows  # k, in 1..128
-    quarter = Int32(SWIZZLE_ROW_PERIOD)
-    first = cutlass.max(real - Int32(SWIZZLE_TILE_ROWS - SWIZZLE_ROW_PERIOD), Int32(0))  # first r with padding
-    units = (quarter - first) * Int32(blocks)
     tile = scales + Int64(last_tile) * (blocks * SWIZZLE_TILE_BYTES)
     zeros = cute.make_rmem_tensor(cute.make_layout((4,)), Uint32)
     zeros.fill(Uint32(0))
-    for item in range(thread, units, threads):
-        r = first + item // Int32(blocks)
-        unit = tile + Int64(item % Int32(blocks)) * SWIZZLE_TILE_BYTES + Int64(r) * SWIZZLE_ROW_BYTES
+    for unit in range(thread, blocks * SWIZZLE_ROW_PERIOD, threads):
+        r = unit % Int32(SWIZZLE_ROW_PERIOD)
+        address = tile + Int64(unit) * SWIZZLE_ROW_BYTES
         if r >= real:
-            ptx.store_u32x4(unit, zeros.load())
+            ptx.store_u32x4(address, zeros.load())
         else:
             for part in cutlass.range_constexpr(1, SWIZZLE_TILE_ROWS // SWIZZLE_ROW_PERIOD):
                 if r + Int32(part * SWIZZLE_ROW_PERIOD) >= real:
-                    ptx.store_u32(unit + part * SCALE_WORD_BYTES, Uint32(0))
+                    ptx.store_u32(address + part * SCALE_WORD_BYTES, Uint32(0))
