@@ -20,7 +20,8 @@ multicast stays off). Two modes, and a third for one killed rank:
 
 Every rank draws every rank's inputs from the same seed, runs its own share through the op and
 checks its outputs against the reference; outputs are then compared bit for bit across ranks. The
-suites: ``core``, ``dsv41``, ``glm5`` (shapes, MoE finalize, CUDA graphs) and ``stress`` (hundreds of
+suites: ``core``, ``dsv41``, ``glm5`` (shapes, MoE finalize, CUDA graphs), ``fp8`` (both models' FP8
+layer input, every format, bitwise against the reference quantiser and across ranks) and ``stress`` (hundreds of
 calls of random M with random host-side delays per rank; construction, a call and ``close()`` with
 one rank a second late). Prints one line per case with the wall time of its slowest rank and ends
 with "multigpu: N passed, M failed".
@@ -56,7 +57,7 @@ import torch.distributed as dist  # noqa: E402
 from tests.support import assert_bitwise_equal, bf16_randn, bits, poisoned  # noqa: E402
 
 CAPACITY = 160
-SUITE_NAMES = ("core", "dsv41", "glm5", "stress")
+SUITE_NAMES = ("core", "dsv41", "glm5", "fp8", "stress")
 MAILBOX_ALLOCATION_ENV = "MHC_MAILBOX_ALLOCATION"
 #: Host-side delay before each stressed call: uniform in [0, MAX_DELAY_S], per rank.
 MAX_DELAY_S = 0.002
@@ -408,6 +409,186 @@ def glm5_cases(group, tp: int, rank: int, options: argparse.Namespace) -> dict[s
     }
 
 
+# ------------------------------------------------------------------------------ fp8
+def fp8_cases(group, tp: int, rank: int, options: argparse.Namespace) -> dict[str, Callable[[], Any]]:
+    """Issue #33's FP8 layer input over real ranks: both models, every format beside the BF16 copy,
+    one format FP8-only, on ``__call__``, ``finalize`` / MoE input and ``publish`` + ``collect``, the
+    one-token and the persistent / grouped kernels, and one CUDA graph per model replayed on fresh
+    data. Every call: outputs poisoned first (every second call), ``residual_out`` and the BF16 copy
+    equal the BF16 op's on the same inputs, ``q`` and the scales (whole allocation) equal
+    ``mhc_core.fp8.quantize`` of that layer input, and every rank's bytes equal rank 0's. The FP8
+    kernels ship in no package: rank 0 compiles them into the cache in parallel first."""
+    from mhc_core import device_arch, fp8
+    from mhc_dsv41 import AllReduceMHC
+    from mhc_dsv41 import presets as dsv41_presets
+    from mhc_glm5 import AllReduceMhcBoundary
+    from mhc_glm5 import presets as glm5_presets
+    from tests.dsv41 import test_fp8_op_gpu as dsv41_fp8
+    from tests.dsv41.test_allreduce_mhc_gpu import LOOPING_CLUSTERS, NORM_EPS
+    from tests.glm5 import test_fp8_op_gpu as glm5_fp8
+
+    formats = tuple(fp8.FORMATS)
+    dsv41_preset = dsv41_presets.get(f"h200-tp{tp}-h5120").PRESET
+    glm5_preset = glm5_presets.get(f"h200-tp{tp}-h4096").PRESET
+    # (format, BF16 copy beside it): every format in both-outputs mode, one in FP8-only mode per model.
+    dsv41_modes = [(name, True) for name in formats] + [("mx-g32", False)]
+    glm5_modes = [(name, True) for name in formats] + [("fp32-g128", False)]
+    if rank == 0:
+        from benchmarks import prewarm
+
+        arch = device_arch(torch.cuda.current_device())
+        fields = [{"layer_input_format": name, "layer_input_bf16": both} for name, both in dsv41_modes]
+        specs = prewarm.preset_specs(dsv41_preset, arch, fields)
+        fields = [{"layer_input_format": name, "layer_input_bf16": both} for name, both in glm5_modes]
+        specs += prewarm.preset_specs(glm5_preset, arch, fields)
+        print(prewarm.prewarm(specs, arch), flush=True)
+    dist.barrier()
+
+    persistent = dict(persistent_min_tokens=1, clusters=LOOPING_CLUSTERS)
+    dsv41_capacity, glm5_capacity = CAPACITY, 304
+
+    def dsv41_op(**fields: Any) -> Any:
+        return AllReduceMHC.from_config(
+            dsv41_preset, max_num_tokens=dsv41_capacity, device="cuda", group=group, **fields
+        )
+
+    def glm5_op(**fields: Any) -> Any:
+        return AllReduceMhcBoundary.from_config(
+            glm5_preset, max_num_tokens=glm5_capacity, device="cuda", group=group, **fields
+        )
+
+    dsv41_ops = {
+        (name, both, looping): dsv41_op(
+            layer_input_format=name, layer_input_bf16=both, **(persistent if looping else {})
+        )
+        for name, both in dsv41_modes
+        for looping in (False, True)
+    }
+    dsv41_bf16 = {looping: dsv41_op(**(persistent if looping else {})) for looping in (False, True)}
+    glm5_ops = {(name, both): glm5_op(layer_input_format=name, layer_input_bf16=both) for name, both in glm5_modes}
+    glm5_bf16 = glm5_op()
+    replays = scaled(20, options)
+
+    def check(module: Any, outputs: tuple, reference: tuple, name: str, both: bool, m: int, what: str) -> None:
+        """This rank as ``module.check_call``'s rank 0 (every check), then every output's whole
+        allocation against rank 0's."""
+        hidden = outputs[0].shape[-1]
+        module.check_call([outputs], [reference], name, both, m, hidden, f"{what}, rank {rank}")
+        check_identical_across_ranks(*(module.flat_bytes(tensor) for tensor in outputs))
+
+    # -------------------------------------------------------------- dsv41
+    def dsv41_args(how: str, m: int, generator: torch.Generator) -> tuple[str, tuple]:
+        partials, shared = dsv41_fp8.case([dsv41_bf16[False]] * tp, m, generator)
+        if how == "finalize":
+            mo = dsv41_fp8.moe_inputs([dsv41_bf16[False]] * tp, m, generator)[rank]
+            moe = (mo.gemm2_permuted, mo.expert_weights, mo.expanded_idx_to_permuted_idx, mo.shared_output)
+            return "finalize", (*moe, *shared, NORM_EPS)
+        return how, (partials[rank], *shared, NORM_EPS)
+
+    def dsv41_call(op: Any, how: str, args: tuple, out: tuple | None) -> tuple:
+        kwargs = {} if out is None else dict(out=out)
+        if how == "collect":
+            op.publish(args[0])
+            return op.collect(*args[1:], **kwargs)
+        return getattr(op, "finalize" if how == "finalize" else "__call__")(*args, **kwargs)
+
+    def dsv41_formats() -> None:
+        calls = {
+            False: ((1, "call"), (5, "collect"), (130, "finalize")),
+            True: ((LOOPING_CLUSTERS + 1, "call"), (37, "collect")),
+        }
+        for (name, both, looping), op in dsv41_ops.items():
+            generator = shared_generator(sum(map(ord, f"dsv41 {name} {both} {looping}")))
+            for index, (m, how) in enumerate(calls[looping]):
+                kernel = "persistent" if looping else "one-token"
+                what = f"dsv41 {name} {'both' if both else 'fp8'} {kernel} {how} M = {m}"
+                how, args = dsv41_args(how, m, generator)
+                out = dsv41_fp8.poisoned_outputs(name, both, m, op.hidden_size) if index % 2 == 0 else None
+                outputs = dsv41_call(op, how, args, out)
+                reference = dsv41_call(dsv41_bf16[looping], how, args, None)
+                synchronize()
+                check(dsv41_fp8, outputs, reference, name, both, m, what)
+
+    def dsv41_graph() -> None:
+        name, m = "ue8m0-g128-packed", 37
+        op, generator = dsv41_ops[name, True, False], shared_generator(83)
+        _, args = dsv41_args("call", m, generator)
+        static = tuple(arg.clone() if isinstance(arg, torch.Tensor) else arg for arg in args)
+        out = dsv41_fp8.poisoned_outputs(name, True, m, op.hidden_size)
+        dsv41_call(op, "call", static, out)  # eager first, then capture: an engine's order
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            dsv41_call(op, "call", static, out)
+        for replay in range(replays):
+            _, args = dsv41_args("call", m, generator)
+            for target, value in zip(static, args, strict=True):
+                if isinstance(target, torch.Tensor):
+                    target.copy_(value)
+            graph.replay()
+            reference = dsv41_call(dsv41_bf16[False], "call", static, None)
+            synchronize()
+            check(dsv41_fp8, out, reference, name, True, m, f"dsv41 {name} graph replay {replay}")
+
+    # --------------------------------------------------------------- glm5
+    def glm5_run(op: Any, how: str, x: Any, shared: tuple, out: tuple | None) -> tuple:
+        kwargs = {} if out is None else dict(out=out)
+        if how == "collect":
+            op.publish(x)
+            result = op.collect(*shared, **kwargs)
+        else:
+            result = op(x, *shared, **kwargs)
+        op.join()
+        return result
+
+    def glm5_inputs(how: str, m: int, generator: torch.Generator) -> tuple[Any, tuple]:
+        partials, shared = glm5_fp8.case([glm5_bf16] * tp, m, generator)
+        if how == "moe":
+            return glm5_fp8.moe_inputs([glm5_bf16] * tp, m, torch.float32, generator)[rank], shared
+        return partials[rank], shared
+
+    def glm5_formats() -> None:
+        # One-token, x8 / x16 grouped and (where the preset has it) persistent: M from the thresholds.
+        calls = ((1, "call"), (20, "moe"), (130, "collect"), (301, "call"))
+        for (name, both), op in glm5_ops.items():
+            generator = shared_generator(sum(map(ord, f"glm5 {name} {both}")))
+            for index, (m, how) in enumerate(calls):
+                grouping = f"{op.tokens_per_cluster(m)} per cluster"
+                what = f"glm5 {name} {'both' if both else 'fp8'} {how} M = {m} ({grouping})"
+                x, shared = glm5_inputs(how, m, generator)
+                out = glm5_fp8.poisoned_outputs(name, both, m, op.hidden_size) if index % 2 == 0 else None
+                outputs = glm5_run(op, how, x, shared, out)
+                reference = glm5_run(glm5_bf16, how, x, shared, None)
+                synchronize()
+                check(glm5_fp8, outputs, reference, name, both, m, what)
+
+    def glm5_graph() -> None:
+        name, m = "mx-g32", 37
+        op, generator = glm5_ops[name, True], shared_generator(89)
+        x, shared = glm5_inputs("call", m, generator)
+        x, shared = x.clone(), tuple(arg.clone() for arg in shared)
+        out = glm5_fp8.poisoned_outputs(name, True, m, op.hidden_size)
+        glm5_run(op, "call", x, shared, out)  # eager first, then capture: an engine's order
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            glm5_run(op, "call", x, shared, out)
+        for replay in range(replays):
+            fresh_x, fresh = glm5_inputs("call", m, generator)
+            x.copy_(fresh_x)
+            for target, value in zip(shared, fresh, strict=True):
+                target.copy_(value)
+            graph.replay()
+            reference = glm5_run(glm5_bf16, "call", x, shared, None)
+            synchronize()
+            check(glm5_fp8, out, reference, name, True, m, f"glm5 {name} graph replay {replay}")
+
+    return {
+        f"fp8: dsv41 h200-tp{tp}-h5120, every format, one-token and persistent": dsv41_formats,
+        f"fp8: dsv41 CUDA graph, {replays} replays": dsv41_graph,
+        f"fp8: glm5 h200-tp{tp}-h4096, every format, every kernel": glm5_formats,
+        f"fp8: glm5 CUDA graph, {replays} replays": glm5_graph,
+    }
+
+
 # --------------------------------------------------------------------------- stress
 def random_calls(
     op: Any,
@@ -608,6 +789,7 @@ SUITES: dict[str, Callable[..., dict[str, Callable[[], Any]]]] = {
     "core": core_cases,
     "dsv41": dsv41_cases,
     "glm5": glm5_cases,
+    "fp8": fp8_cases,
     "stress": stress_cases,
 }
 

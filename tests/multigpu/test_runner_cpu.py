@@ -22,6 +22,8 @@ def test_procs_per_gpu_options() -> None:
     assert options.kill_rank is None
     assert run.scaled(1000, options) == 500 and run.scaled(1, options) == 1
     assert not run.parse_args(["--tp", "2"]).procs_per_gpu
+    assert run.parse_args(["--tp", "2", "--only", "fp8"]).only == ["fp8"]
+    assert set(run.SUITES) == set(run.SUITE_NAMES)
 
 
 @pytest.mark.parametrize(
