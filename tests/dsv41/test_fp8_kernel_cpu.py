@@ -190,7 +190,7 @@ def test_fp8_collective_compiles_and_quantises(preset: str, arch: str, fmt: str,
             # tests/core/test_fp8_division_gpu.py), or by IEEE divisions for a scale not normal.
             assert count(ptx, "div.rn.f32") == NORM_DIVISIONS + (1 + VEC_BF16) * trips
             assert count(ptx, "rcp.approx.ftz.f32") == count(ptx, "rcp.") == trips
-            assert count(ptx, "selp.f32") - count(plain, "selp.f32") >= VEC_BF16 * trips, "-0 keeps its sign"
+            assert count(ptx, "selp.f32") - count(plain, "selp.f32") <= trips, "no select per value (-0 by the FMAs)"
             assert count(ptx, "st.global.u8") == 0
         else:
             assert count(ptx, "div.rn.f32") == NORM_DIVISIONS + trips

@@ -487,13 +487,15 @@ PTX_RCP_REFINED_F32 = (
     "{ .reg .f32 n, r, e; neg.f32 n, $1; rcp.approx.ftz.f32 r, $1; "
     "fma.rn.f32 e, n, r, 0f3F800000; fma.rn.f32 $0, e, r, r; }"
 )
-#: ... and each quotient from it: ``q = x * r`` corrected by the exact residual ``x - d * q`` (an
-#: FMA). An exact first product keeps its sign (``-0 / d`` is ``-0``, which the correction's
-#: ``+0`` residual would turn into ``+0``).
+#: ... and each quotient from it: ``q = x * r`` corrected by the exact residual, taken as
+#: ``d * q - x`` (an FMA) and multiplied by ``-r``: ``q + (d * q - x) * -r``, the same rounding of
+#: the same real number as ``q + (x - d * q) * r``. Three instructions (ptxas folds the negations into
+#: the FMAs' operands), and the signed zeros come out right without a select: for ``x = -0``,
+#: ``q = -0``, the residual ``d * -0 + 0 = +0``, and ``+0 * -r + -0 = -0``; for ``x = +0`` the
+#: same steps give ``+0``.
 PTX_DIV_REFINED_F32 = (
-    "{ .reg .f32 n, q, t, c; .reg .pred p; neg.f32 n, $2; mul.rn.f32 q, $1, $3; "
-    "fma.rn.f32 t, n, q, $1; fma.rn.f32 c, t, $3, q; setp.eq.f32 p, t, 0f00000000; "
-    "selp.f32 $0, q, c, p; }"
+    "{ .reg .f32 q, t, nx, nr; mul.rn.f32 q, $1, $3; neg.f32 nx, $1; fma.rn.f32 t, $2, q, nx; "
+    "neg.f32 nr, $3; fma.rn.f32 $0, t, nr, q; }"
 )
 #: Unsigned 16-bit maximum of each half of two words (sm_90 on): BF16 magnitudes compare as integers.
 PTX_MAX_U16X2 = "max.u16x2 $0, $1, $2;"
