@@ -455,3 +455,18 @@ class MHCConfig(CollectiveGeometry):
     def scale_groups(self) -> int:
         """Scales per token, ``hidden / group`` (FP8 formats only)."""
         return self.hidden // self.fp8_group
+
+
+def gather_config(config: MHCConfig) -> MHCConfig:
+    """The collective that ends a two-shot (``mhc_core.device.two_shot``): ``config`` compiled for
+    tp = 1, polling the gather mailbox's one reduced row. One rank lane (a lane per rank is what the
+    lanes are for), with the same fragments per CTA where the threads allow it (the same cluster
+    layout and staging); else the tp = 1 default geometry."""
+    lanes = config.rank_lanes
+    if config.threads // lanes >= WARP_SIZE:
+        try:
+            return dataclasses.replace(config, tp=1, rank_lanes=1, threads=config.threads // lanes)
+        except ValueError:
+            pass
+    geometry = default_geometry(config.hidden, config.hc, 1)
+    return dataclasses.replace(config, tp=1, **geometry)

@@ -30,6 +30,7 @@ from mhc_core.host.programs import Fixed, Launch, Pointer, Scalar, Source, point
 from mhc_core.host.startup import collective
 from mhc_core.host.validation import INT32_MAX, check_int, check_positive_float
 from mhc_core.presets import MAX_TOP_K, warn_if_untuned
+from mhc_core.protocols import ONE_SHOT, TWO_SHOT
 
 from . import library  # noqa: F401  (registers the mhc::dsv41_* custom ops)
 from .config import (
@@ -40,6 +41,7 @@ from .config import (
     MHCConfig,
     collective_routing,
     custom_preset,
+    gather_config,
     preset_with,
     resident_clusters,
 )
@@ -118,6 +120,8 @@ class AllReduceMHC(LamportOp):
         norm_eps: float = 1e-6,
         layer_input_format: str = "bf16",
         layer_input_bf16: bool = False,
+        protocol: str | None = None,
+        two_shot_min_tokens: int | None = None,
     ) -> None:
         check_int("hc_mult", hc_mult, minimum=1, maximum=16)
         norm_eps = check_positive_float("norm_eps", norm_eps)
@@ -134,6 +138,8 @@ class AllReduceMHC(LamportOp):
             spin_timeout_ms=spin_timeout_ms,
             check_routes=check_routes,
             mailbox_allocation=mailbox_allocation,
+            protocol=protocol,
+            two_shot_min_tokens=two_shot_min_tokens,
         )
         LayerInput.checked(layer_input_format, layer_input_bf16, self.hidden_size)  # named as the option
         geometry: dict[str, int] = {}
@@ -178,6 +184,21 @@ class AllReduceMHC(LamportOp):
         self._collective_kernels = {
             target: self._compile(KernelSpec(COLLECTIVE_KERNEL, configs[target])) for target in self.routing.targets
         }
+        #: The collectives that end a two-shot: compiled for tp = 1, polling the gather mailbox.
+        self._gather_kernels = {}
+        self.gather_clusters = clusters
+        if self.protocols.two_shot_from is not None:
+            gather = gather_config(self.config)
+            gathers = {
+                CollectiveTarget(False): gather,
+                CollectiveTarget(True): dataclasses.replace(gather, persistent=True),
+            }
+            if self.routing.targets[-1].persistent:
+                sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+                self.gather_clusters = min(clusters, resident_clusters(gathers[CollectiveTarget(True)], sms))
+            self._gather_kernels = {
+                target: self._compile(KernelSpec(COLLECTIVE_KERNEL, gathers[target])) for target in self.routing.targets
+            }
         self._setup()
 
     def _model_fingerprint(self) -> dict[str, Any]:
@@ -253,9 +274,10 @@ class AllReduceMHC(LamportOp):
             *self.layer_input.output_rules(1, self.hidden_size, aliases=IN_PLACE_LAYER_INPUT),
         )
 
-    def _collect_launches(self, *, direct: bool, prefetch: Source) -> list[Launch]:
+    def _collect_launches(self, *, direct: bool, prefetch: Source, protocol: str = ONE_SHOT) -> list[Launch]:
+        two_shot = protocol == TWO_SHOT
         sources: dict[str, Source] = dict(
-            self._collective_fixed(),
+            self._collective_fixed(protocol),
             **pointers("residual", "post", "comb", "pre"),
             gamma=Pointer("norm_weight"),
             residual_out=Pointer("out[0] (residual_out)"),
@@ -265,9 +287,10 @@ class AllReduceMHC(LamportOp):
             # Read only when direct (tp = 1): the collective then reads x instead of the mailbox.
             x=Pointer("x" if direct else "residual"),
             direct=Fixed(int(direct)),
-            clusters=Fixed(self.clusters),
+            clusters=Fixed(self.gather_clusters if two_shot else self.clusters),
         )
-        kernels = [self._collective_kernels[target] for target in self.routing.targets]
+        by_target = self._gather_kernels if two_shot else self._collective_kernels
+        kernels = [by_target[target] for target in self.routing.targets]
         functions = [kernel.function for kernel in kernels]
         return [Launch(functions, kernels[0].signature, sources, min_tokens=self.routing.thresholds)]
 

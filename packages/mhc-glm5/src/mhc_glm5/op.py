@@ -51,6 +51,7 @@ from mhc_core.host.startup import collective
 from mhc_core.host.streams import SideWork
 from mhc_core.host.validation import INT32_MAX, check_int
 from mhc_core.presets import MAX_TOP_K, warn_if_untuned
+from mhc_core.protocols import ONE_SHOT, TWO_SHOT
 
 from . import library  # noqa: F401  (registers the mhc::glm5_* custom ops)
 from .config import (
@@ -156,6 +157,8 @@ class AllReduceMhcBoundary(LamportOp):
         mailbox_allocation: str | None = None,
         layer_input_format: str = "bf16",
         layer_input_bf16: bool = False,
+        protocol: str | None = None,
+        two_shot_min_tokens: int | None = None,
     ) -> None:
         check_int("top_k", top_k, minimum=1, maximum=MAX_TOP_K)
         super().__init__(
@@ -170,6 +173,8 @@ class AllReduceMhcBoundary(LamportOp):
             spin_timeout_ms=spin_timeout_ms,
             check_routes=check_routes,
             mailbox_allocation=mailbox_allocation,
+            protocol=protocol,
+            two_shot_min_tokens=two_shot_min_tokens,
         )
         LayerInput.checked(layer_input_format, layer_input_bf16, self.hidden_size)  # named as the option
         # Every hidden / cluster rule the presets obey, checked the same way, before anything is
@@ -205,6 +210,13 @@ class AllReduceMhcBoundary(LamportOp):
         self._boundary_kernels: dict[BoundaryTarget, CompiledKernel] = {
             target: self._compile(KernelSpec(*specs[target.kernel_name])) for target in self.routing.targets
         }
+        #: The boundaries that end a two-shot (``mhc_core.device.two_shot``): the same kernels compiled
+        #: for tp = 1, polling the gather mailbox's one reduced row.
+        self._gather_kernels: dict[BoundaryTarget, CompiledKernel] = {}
+        if self.protocols.two_shot_from is not None:
+            for target in self.routing.targets:
+                path, config = specs[target.kernel_name]
+                self._gather_kernels[target] = self._compile(KernelSpec(path, {**config, "tp": 1}))
         self._mixes_kernel = self._compile(KernelSpec(*specs["mixes"]))
         # Per token: the boundary writes the raw mixes, the mixes kernel polls, copies and re-arms them.
         self._mixes_handoff = torch.full((self.capacity, MIX), -0.0, dtype=torch.float32, device=self.device)
@@ -335,10 +347,10 @@ class AllReduceMhcBoundary(LamportOp):
         """The boundary kernel a call of M tokens launches (the native program picks the same)."""
         return self._boundary_kernels[self.routing.select(m)]
 
-    def _collect_launches(self, *, direct: bool, prefetch: Source) -> list[Launch]:
+    def _collect_launches(self, *, direct: bool, prefetch: Source, protocol: str = ONE_SHOT) -> list[Launch]:
         residual_out, post_out, comb_out = (Pointer(name) for name in OUTPUT_NAMES)
         boundary: dict[str, Source] = dict(
-            self._collective_fixed(),
+            self._collective_fixed(protocol),
             **pointers("residual", "post", "comb", "fn", "scale", "base"),
             gamma=Pointer("norm_weight"),
             residual_out=residual_out,
@@ -352,7 +364,8 @@ class AllReduceMhcBoundary(LamportOp):
             direct=Fixed(int(direct)),
             clusters=Fixed(self.clusters),
         )
-        kernels = [self._boundary_kernels[target] for target in self.routing.targets]
+        by_target = self._gather_kernels if protocol == TWO_SHOT else self._boundary_kernels
+        kernels = [by_target[target] for target in self.routing.targets]
         assert self.mailbox is not None
         mixes: dict[str, Source] = dict(
             # The hand-off wait outlasts the boundary's own (``SpinGuard.handoff_limit_ns``); a timeout

@@ -28,6 +28,7 @@ WEIGHT_DTYPES = ("float32", "bfloat16")
 PUBLISH_KERNEL = "mhc_core.device.publish:PublishKernel"
 FINALIZE_PUBLISH_KERNEL = "mhc_core.device.publish:FinalizePublishKernel"
 COLLECTIVE_KERNEL = "mhc_core.device.collective:CollectiveKernel"
+REDUCE_KERNEL = "mhc_core.device.two_shot:ReduceKernel"
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +42,9 @@ class PublishConfig:
     store: str = STORE_UNICAST
     top_k: int = 0
     weights: str = "float32"
+    #: Two-shot stage 1 (reduce-scatter): fragment slice ``j`` of the row goes to rank ``j`` alone,
+    #: into its ``[3, tp, capacity, hidden / tp]`` reduce-scatter mailbox (``mhc_core.device.two_shot``).
+    scatter: bool = False
 
     def __post_init__(self) -> None:
         if self.hidden <= 0 or self.hidden % VEC_BF16:
@@ -49,6 +53,14 @@ class PublishConfig:
             raise ValueError(f"tp: expected 1, 2, 4 or 8, got {self.tp}")
         if self.threads <= 0 or self.threads % 32 or self.threads > 1024:
             raise ValueError(f"threads: expected a multiple of 32 in [32, 1024], got {self.threads}")
+        if self.scatter:
+            if self.tp < 2 or self.hidden % (VEC_BF16 * self.tp):
+                raise ValueError(
+                    f"scatter: expected tp >= 2 and hidden a multiple of {VEC_BF16} * tp, got tp = {self.tp}, "
+                    f"hidden = {self.hidden}"
+                )
+            if self.store != STORE_UNICAST:
+                raise ValueError(f"scatter: expected store {STORE_UNICAST!r} (point to point), got {self.store!r}")
         if self.trigger not in TRIGGERS:
             raise ValueError(f"trigger: expected one of {TRIGGERS}, got {self.trigger!r}")
         if self.store not in STORE_KINDS:
@@ -70,6 +82,11 @@ class PublishConfig:
     def destinations(self) -> int:
         """Entries of the destination table: every peer, or one multicast address."""
         return self.tp if self.store == STORE_UNICAST else 1
+
+    @property
+    def slot_hidden(self) -> int:
+        """Columns of one mailbox slot: the row, or (scatter) one rank's slice of it."""
+        return self.hidden // self.tp if self.scatter else self.hidden
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,3 +117,43 @@ class CollectiveConfig:
     @property
     def ctas_per_token(self) -> int:
         return -(-self.fragments // self.groups_per_cta)
+
+
+@dataclass(frozen=True, slots=True)
+class ReduceConfig:
+    """Compile-time constants of the two-shot reduce (``mhc_core.device.two_shot.ReduceKernel``): the
+    full row's ``hidden``, of which this rank reduces ``hidden / tp`` columns; ``lanes`` threads per
+    fragment share the ranks, as in the one-shot collective (the same FP32 tree for the same lanes)."""
+
+    hidden: int
+    tp: int
+    threads: int = 128
+    lanes: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tp not in (2, 4, 8):
+            raise ValueError(f"tp: expected 2, 4 or 8 (a two-shot has peers), got {self.tp}")
+        if self.hidden <= 0 or self.hidden % (VEC_BF16 * self.tp):
+            raise ValueError(
+                f"hidden: expected a positive multiple of {VEC_BF16} * tp = {VEC_BF16 * self.tp}, got {self.hidden}"
+            )
+        if self.lanes not in (1, 2, 4, 8) or self.tp % self.lanes:
+            raise ValueError(f"lanes: expected 1, 2, 4 or 8 dividing tp = {self.tp}, got {self.lanes}")
+        if self.threads <= 0 or self.threads % 32 or self.threads > 1024:
+            raise ValueError(f"threads: expected a multiple of 32 in [32, 1024], got {self.threads}")
+
+    @property
+    def slice_hidden(self) -> int:
+        return self.hidden // self.tp
+
+    @property
+    def slice_fragments(self) -> int:
+        return self.slice_hidden // VEC_BF16
+
+    @property
+    def groups_per_cta(self) -> int:
+        return self.threads // self.lanes
+
+    @property
+    def ctas_per_token(self) -> int:
+        return -(-self.slice_fragments // self.groups_per_cta)

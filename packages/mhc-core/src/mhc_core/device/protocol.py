@@ -209,6 +209,30 @@ def publish_fragment(
 
 
 @cute.jit
+def scatter_fragment(
+    words: cute.TensorSSA,
+    stage: Uint32,
+    rank: Int32,
+    token: Int32,
+    fragment: Int32,
+    destinations: cute.Tensor,
+    tp: cutlass.Constexpr[int],
+    capacity: Int32,
+    hidden: cutlass.Constexpr[int],
+) -> None:
+    """Two-shot stage 1: store fragment ``fragment`` of the row into its owner's reduce-scatter mailbox
+    only, at slot ``[stage, rank, token]`` of that ``[3, tp, capacity, hidden / tp]`` mailbox. The
+    owner of slice ``j`` (``hidden / tp`` columns) is rank ``j``. The table is walked with compile-time
+    indices (a register array indexed at run time would go to local memory): one store is predicated on."""
+    slice_fragments = hidden // VEC_BF16 // tp
+    owner = fragment // slice_fragments
+    offset = slot_bytes(stage, rank, token, fragment - owner * slice_fragments, tp, capacity, hidden // tp)
+    for peer in cutlass.range_constexpr(tp):
+        if owner == Int32(peer):
+            ptx.store_u32x4(destinations[peer] + offset, words)
+
+
+@cute.jit
 def active_stage(stage_state: cute.Tensor) -> tuple:
     """``(stage, poisoned)``: the stage the publish before this collective wrote (read after
     the PDL wait), and whether the op is poisoned."""

@@ -58,7 +58,7 @@ class _PublishBase(DeviceKernel):
         if cutlass.const_expr(config.tp > 1):  # noqa: SIM102 (a compile-time branch stands alone in the DSL)
             if leader & (token_check != Int32(0)) & (poisoned == Boolean(False)):
                 m, _, _ = cute.arch.grid_dim()
-                protocol.publish_count(m, stage, rank, bases, config.store, config.tp, capacity, config.hidden)
+                protocol.publish_count(m, stage, rank, bases, config.store, config.tp, capacity, config.slot_hidden)
         return token, fragment, stage, poisoned, bases
 
     @cute.jit
@@ -78,8 +78,13 @@ class _PublishBase(DeviceKernel):
         config = self.config
         if (fragment < config.fragments) & (poisoned == Boolean(False)):
             words = ptx.sanitize_negative_zero(ptx.f32x8_to_words(values))
-            offset = protocol.slot_bytes(stage, rank, token, fragment, config.tp, capacity, config.hidden)
-            protocol.publish_fragment(words, offset, bases, config.store, config.tp)
+            if cutlass.const_expr(config.scatter):
+                protocol.scatter_fragment(
+                    words, stage, rank, token, fragment, bases, config.tp, capacity, config.hidden
+                )
+            else:
+                offset = protocol.slot_bytes(stage, rank, token, fragment, config.tp, capacity, config.hidden)
+                protocol.publish_fragment(words, offset, bases, config.store, config.tp)
         if cutlass.const_expr(config.trigger == TRIGGER_AFTER_STORES):
             cute.arch.griddepcontrol_launch_dependents()
 

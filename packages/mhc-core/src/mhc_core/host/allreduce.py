@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..device.configs import COLLECTIVE_KERNEL, TRIGGER_AFTER_STORES, CollectiveConfig
+from ..protocols import ONE_SHOT
 from .allocation import requested_allocation
 from .calls import IN_PLACE_LAYER_INPUT, M, Rule, TensorRule, tensor
 from .compiler import KernelSpec
@@ -67,6 +68,9 @@ class LamportAllReduce(LamportOp):
             spin_timeout_ms=spin_timeout_ms,
             check_routes=check_routes,
             mailbox_allocation=mailbox_allocation,
+            # The plain all-reduce stays one-shot: its two-shot would be the boundary's reduce and a
+            # plain gather, not built yet (mhc_core.protocols).
+            protocol=ONE_SHOT,
         )
         self.lanes = lanes
         config = CollectiveConfig(hidden=hidden_size, tp=self.tp, threads=threads, lanes=lanes)
@@ -81,7 +85,7 @@ class LamportAllReduce(LamportOp):
         # In place: out may be x (or the MoE shared output); the collective writes after the publish read it.
         return (tensor("out", (M, self.hidden_size), dtype=torch.bfloat16, aliases=IN_PLACE_LAYER_INPUT),)
 
-    def _collect_launches(self, *, direct: bool, prefetch: Source) -> list[Launch]:
+    def _collect_launches(self, *, direct: bool, prefetch: Source, protocol: str = ONE_SHOT) -> list[Launch]:
         kernel = self._collective_kernel
         return [Launch([kernel.function], kernel.signature, dict(self._collective_fixed(), out=Pointer("out")))]
 

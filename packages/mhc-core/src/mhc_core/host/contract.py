@@ -52,8 +52,10 @@ class ModelOp(ABC):
         """The outputs, in the order a call returns them."""
 
     @abstractmethod
-    def _collect_launches(self, *, direct: bool, prefetch: Source) -> list[Launch]:
-        """The collective's launches. ``direct``: tp = 1, the collective reads the parameter ``x``."""
+    def _collect_launches(self, *, direct: bool, prefetch: Source, protocol: str = "one-shot") -> list[Launch]:
+        """The collective's launches. ``direct``: tp = 1, the collective reads the parameter ``x``.
+        ``protocol`` "two-shot": the launches that end a two-shot (``mhc_core.device.two_shot``): the
+        kernels compiled for tp = 1, polling the gather mailbox (``_collective_fixed(protocol)``)."""
 
     @abstractmethod
     def _allocate(self, like: Any, values: tuple[Any, ...], m: int) -> tuple[torch.Tensor, ...]:

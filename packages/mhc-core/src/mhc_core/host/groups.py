@@ -51,6 +51,10 @@ def warm_up(ops: Sequence[GroupMember]) -> None:
     for step in range(len(rounds[0])):
         for steps in rounds:
             steps[step].publish()
+        for steps in rounds:
+            exchange = steps[step].exchange
+            if exchange is not None:
+                exchange()
         for index, steps in enumerate(rounds):
             steps[step].collect(index == 0)
     torch.cuda.synchronize(ops[0].device)
@@ -247,8 +251,8 @@ def run_ranks(
     """Run ``method`` ("call" or "finalize") on ops that form one collective instance.
 
     Validates every rank's arguments first (nothing launches on bad input), then
-    enqueues every rank's publish, then every rank's collective, on the current
-    stream: no collective can wait on a publish enqueued behind it, whatever M.
+    enqueues every rank's publish, then (two-shot) every rank's reduce, then every rank's
+    collective, on the current stream: no kernel can wait on one enqueued behind it, whatever M.
     ``args[r]`` / ``kwargs[r]`` are rank ``r``'s arguments; returns each rank's outputs.
     Works for a single tp = 1 op too. Holds every op's lock (taken in the order of ``ops``) for
     the whole run: another thread's run over the same ops comes before or after it, whole.
@@ -261,6 +265,9 @@ def run_ranks(
         plans = [op.plan(method, *a, **k) for op, a, k in zip(ops, args, kwargs, strict=True)]
         for plan in plans:
             plan.publish()
+        for plan in plans:  # a two-shot's reduce: after every publish, before any collective
+            if plan.exchange is not None:
+                plan.exchange()
         # Only the first collective directly follows a publish (PDL prefetch is safe).
         return [plan.collect(index == 0) for index, plan in enumerate(plans)]
 

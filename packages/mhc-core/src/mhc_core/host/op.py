@@ -66,11 +66,14 @@ import torch
 from ..device.configs import (
     FINALIZE_PUBLISH_KERNEL,
     PUBLISH_KERNEL,
+    REDUCE_KERNEL,
     STORE_MULTICAST,
     STORE_UNICAST,
     PublishConfig,
+    ReduceConfig,
 )
 from ..presets import MAX_TOP_K
+from ..protocols import ONE_SHOT, TWO_SHOT, choose_protocol
 from . import artifacts, library
 from .allocation import choose_allocation, device_identity, requested_allocation
 from .call_forms import CallForms, Programs
@@ -79,7 +82,7 @@ from .contract import ModelOp, OpPreset
 from .eager import EagerCalls
 from .groups import SUPPORTED_TP, normalize_device, resolve_group
 from .lifetime import _CAPTURED, _RETIRED, Lifetime, OpPoisonedError
-from .mailbox import LamportMailbox, mailbox_elements, resolve_transport
+from .mailbox import LamportMailbox, MailboxLayout, resolve_transport
 from .moe import MOE_FIELDS
 from .spin import SpinGuard, resolve_timeout_ms
 from .startup import Startup, package_versions
@@ -135,6 +138,8 @@ class LamportOp(CallForms, EagerCalls, TwoPhaseCalls, WarmUp, Lifetime, ModelOp)
         spin_timeout_ms: float | None = None,
         check_routes: bool = False,
         mailbox_allocation: str | None = None,
+        protocol: str | None = None,
+        two_shot_min_tokens: int | None = None,
     ) -> None:
         # Validation only: no CUDA call, no compile, no allocation before every argument is checked.
         self.hidden_size = check_int("hidden_size", hidden_size, minimum=8, maximum=MAX_HIDDEN)
@@ -158,6 +163,11 @@ class LamportOp(CallForms, EagerCalls, TwoPhaseCalls, WarmUp, Lifetime, ModelOp)
         if self.transport == "multicast" and self._allocation_request == "ipc":
             raise ValueError("mailbox_allocation='ipc' has no NVLink multicast mapping: transport='multicast' needs it")
         self.check_routes = bool(check_routes)
+        #: The all-reduce protocol by token count (``mhc_core.protocols``): which calls take the two-shot.
+        self.protocols = choose_protocol(
+            protocol, tp=self.tp, hidden=self.hidden_size, transport=self.transport, capacity=self.capacity,
+            two_shot_min_tokens=two_shot_min_tokens,
+        )  # fmt: skip
         self._timeout_ms = resolve_timeout_ms(spin_timeout_ms)
         artifacts.enabled()  # MHC_PREBUILT: a value it cannot honour raises now, not at the first compile
         store = STORE_MULTICAST if self.transport == "multicast" else STORE_UNICAST
@@ -169,6 +179,18 @@ class LamportOp(CallForms, EagerCalls, TwoPhaseCalls, WarmUp, Lifetime, ModelOp)
             dtype: PublishConfig(**common, top_k=self.top_k, weights=WEIGHT_TORCH_DTYPES[dtype])
             for dtype in (self.weight_dtypes if self.top_k else ())
         }
+        # The two-shot's stage 1 (each slice to its owner) and its reduce, when a call can take it.
+        self._scatter_configs: dict[Any, PublishConfig] = {}
+        self._reduce_config: ReduceConfig | None = None
+        if self.protocols.two_shot_from is not None:
+            self._scatter_configs = {
+                None: PublishConfig(**common, scatter=True),
+                **{
+                    dtype: PublishConfig(**common, top_k=self.top_k, weights=WEIGHT_TORCH_DTYPES[dtype], scatter=True)
+                    for dtype in self._finalize_configs
+                },
+            }
+            self._reduce_config = ReduceConfig(hidden=hidden_size, tp=self.tp)
         self.mailbox: LamportMailbox | None = None
         self._kernel_specs: list[KernelSpec] = []
         self._pending_m: int | None = None
@@ -187,8 +209,9 @@ class LamportOp(CallForms, EagerCalls, TwoPhaseCalls, WarmUp, Lifetime, ModelOp)
         **options: Any,
     ) -> None:
         """``__init__`` for an op built from a preset (a model's ``from_config``): the preset's hidden
-        size, top_k and publish threads, the core's ``options``. The group's size must be the preset's
-        tp (checked here, before anything is built)."""
+        size, top_k, publish threads and two-shot crossover, the core's ``options``. The group's size
+        must be the preset's tp (checked here, before anything is built)."""
+        options.setdefault("two_shot_min_tokens", getattr(preset, "two_shot_min_tokens", None) or None)
         LamportOp.__init__(
             self, hidden_size=preset.hidden, max_num_tokens=max_num_tokens, device=device, group=group,
             top_k=preset.top_k, publish_trigger=publish_trigger, publish_threads=preset.publish_threads, **options,
@@ -223,6 +246,14 @@ class LamportOp(CallForms, EagerCalls, TwoPhaseCalls, WarmUp, Lifetime, ModelOp)
             dtype: self._compile(KernelSpec(FINALIZE_PUBLISH_KERNEL, config))
             for dtype, config in self._finalize_configs.items()
         }
+        #: The two-shot's scatter publishes (key None: plain; else the routing weights' dtype) and reduce.
+        self._scatter_kernels: dict[Any, CompiledKernel] = {
+            dtype: self._compile(KernelSpec(FINALIZE_PUBLISH_KERNEL if dtype is not None else PUBLISH_KERNEL, config))
+            for dtype, config in self._scatter_configs.items()
+        }
+        self._reduce_kernel: CompiledKernel | None = None
+        if self._reduce_config is not None:
+            self._reduce_kernel = self._compile(KernelSpec(REDUCE_KERNEL, self._reduce_config))
 
     # ------------------------------------------------------------ construction
     def _compile(self, spec: KernelSpec) -> CompiledKernel:
@@ -232,9 +263,13 @@ class LamportOp(CallForms, EagerCalls, TwoPhaseCalls, WarmUp, Lifetime, ModelOp)
         with torch.cuda.device(self.device):
             return compile_kernel(spec, self.arch, persist=True)
 
+    def _mailbox_layout(self) -> MailboxLayout:
+        protocols = self.protocols
+        return MailboxLayout(self.tp, self.hidden_size, protocols.one_shot_capacity, protocols.two_shot_capacity)
+
     def _check_mailbox_fits(self) -> None:
         """The mailbox fits the device's free memory (checked before any kernel compiles)."""
-        nbytes = mailbox_elements(self.tp, self.capacity, self.hidden_size) * 2
+        nbytes = self._mailbox_layout().elements * 2
         free, _ = torch.cuda.mem_get_info(self.device)
         if nbytes > free:
             raise ValueError(
@@ -251,9 +286,11 @@ class LamportOp(CallForms, EagerCalls, TwoPhaseCalls, WarmUp, Lifetime, ModelOp)
         allocation = self.group.kind  # "none" and "loopback": this process's own buffers
         if self.group.kind == "process_group":
             allocation = choose_allocation(self._allocation_request, devices, self.transport)
+        layout = self._mailbox_layout()
         self.mailbox = LamportMailbox(
-            self.group, capacity=self.capacity, hidden=self.hidden_size, device=self.device, transport=self.transport,
-            startup=startup, allocation=allocation,
+            self.group, capacity=layout.one_shot_capacity, hidden=self.hidden_size, device=self.device,
+            transport=self.transport, startup=startup, allocation=allocation,
+            two_shot_capacity=layout.two_shot_capacity,
         )  # fmt: skip
         #: This op in the ``torch.ops.mhc`` custom ops (``mhc_core.host.library``), with ``state``.
         self.handle = library.register(self)
@@ -285,6 +322,8 @@ class LamportOp(CallForms, EagerCalls, TwoPhaseCalls, WarmUp, Lifetime, ModelOp)
             "transport": self.transport,
             "mailbox_allocation": self._allocation_request,
             "spin_timeout_ms": self._timeout_ms,
+            "protocol": self.protocols.requested,
+            "two_shot_from": self.protocols.two_shot_from,
             "publish": dataclasses.asdict(self._publish_config),
             **self._model_fingerprint(),
         }
@@ -309,8 +348,17 @@ class LamportOp(CallForms, EagerCalls, TwoPhaseCalls, WarmUp, Lifetime, ModelOp)
     def _describe(self) -> str:
         return (
             f"hidden={self.hidden_size}, tp={self.tp}, rank={self.rank}, group={self.group.kind!r}, "
-            f"transport={self.transport!r}, max_num_tokens={self.capacity}, arch={self.arch!r}, "
+            f"transport={self.transport!r}, max_num_tokens={self.capacity}, {self._protocol_repr()}, "
+            f"arch={self.arch!r}, "
             f"spin_timeout_ms={self.spin.timeout_ms}, mailbox={self.mailbox!r}"
+        )
+
+    def _protocol_repr(self) -> str:
+        start = self.protocols.two_shot_from
+        if start is None:
+            return f"protocol={ONE_SHOT!r}"
+        return (
+            f"protocol={TWO_SHOT!r}" if start == 1 else f"protocol='{ONE_SHOT} below {start} tokens, else {TWO_SHOT}'"
         )
 
     def __repr__(self) -> str:

@@ -98,6 +98,9 @@ class Launch:
     min_tokens: Sequence[int] = (1,)
     side: bool = False
     forks_side: bool = False
+    #: Per variant: whether it launches at all (empty: every one does). A launch of one protocol is
+    #: skipped for the token counts the other protocol serves (``mhc_core.host.call_forms``).
+    enabled: Sequence[bool] = ()
 
 
 def _dtype(dtype: torch.dtype) -> list[int]:
@@ -161,10 +164,16 @@ class Program:
     def __post_init__(self) -> None:
         forks = [index for index, launch in enumerate(self.launches) if launch.forks_side]
         sides = [index for index, launch in enumerate(self.launches) if launch.side]
-        if forks and (len(forks) > 1 or not sides or forks[0] > sides[0] or self.launches[forks[0]].side):
+        # Several forks_side launches only as alternatives (each protocol's boundary): the first one
+        # that launches forks the side stream.
+        if forks and (
+            not sides or forks[-1] > sides[0] or any(self.launches[index].side for index in forks)
+            or (len(forks) > 1 and any(not self.launches[index].enabled for index in forks))
+        ):  # fmt: skip
             raise ValueError(
-                "launches: expected at most one forks_side launch, on the current stream and before the "
-                f"first side launch; got forks_side at {forks}, side launches at {sides}"
+                "launches: expected forks_side launches (more than one only as alternatives, each with an "
+                "enabled mask) on the current stream and before the first side launch; got forks_side at "
+                f"{forks}, side launches at {sides}"
             )
         names = [rule.name for rule in self.rules] + [rule.name for rule in self.outputs]
         launches = [self._encode_launch(launch, names) for launch in self.launches]
@@ -211,4 +220,9 @@ class Program:
                 args.append([3, scalars.index(source.name), None])
             else:
                 args.append([source.source, source.index, None])
-        return [int(launch.side), int(launch.forks_side), list(launch.min_tokens), list(launch.functions), args]
+        enabled = [int(bool(flag)) for flag in launch.enabled]
+        if enabled and len(enabled) != len(launch.functions):
+            raise ValueError(f"enabled: expected one flag per variant ({len(launch.functions)}), got {len(enabled)}")
+        return [
+            int(launch.side), int(launch.forks_side), list(launch.min_tokens), list(launch.functions), args, enabled,
+        ]  # fmt: skip

@@ -1,6 +1,11 @@
 """The two-phase form: ``publish`` / ``collect``, and ``plan`` (one call validated, split into its
-two launches, for a driver that interleaves ranks: ``run_ranks``). A pending publish is not held
-across threads: until its collect, every other call of the op raises."""
+launches, for a driver that interleaves ranks: ``run_ranks``). A pending publish is not held
+across threads: until its collect, every other call of the op raises.
+
+With a two-shot (``mhc_core.protocols``), ``collect`` runs the reduce, then the boundary: ranks that
+run at once (processes) need nothing more. A driver of ranks that run one after another (loopback)
+needs three phases, each over every rank: a plan's ``exchange`` runs the reduce alone, and its
+``collect`` then the boundary alone."""
 
 from __future__ import annotations
 
@@ -21,6 +26,8 @@ class Plan:
     m: int
     publish: Callable[[], None]
     collect: Callable[[bool], Any]
+    #: The two-shot's middle phase (every rank's, after every publish); None: the op has no two-shot.
+    exchange: Callable[[], None] | None = None
 
 
 class TwoPhaseCalls:
@@ -83,8 +90,9 @@ class TwoPhaseCalls:
             moe_rules = programs.moe_rules[: len(MOE_FIELDS)] if isinstance(x, MoEOutput) else None
             publish, inputs = self._publish_input(x, programs.publish_moe, programs.publish)
             m = self._check(publish, inputs, None, rules=moe_rules)
-            self._check(programs.collect, values, out, m=m)
-            return self._plan(m, (publish, inputs), dict(program=programs.collect, values=values, m=m), values, out)
+            collect = programs.gather or programs.collect  # with a two-shot, the reduce is the exchange's
+            self._check(collect, values, out, m=m)
+            return self._plan(m, (publish, inputs), dict(program=collect, values=values, m=m), values, out)
 
     def _require_no_publish(self, what: str) -> None:
         if self._pending_m is not None:
@@ -134,4 +142,23 @@ class TwoPhaseCalls:
                     raise
                 return self._returns(outputs)
 
-        return Plan(m, run_publish, run_collect)
+        def run_exchange() -> None:
+            with self._lock:
+                self._ensure_usable()
+                if self._pending_m != m:
+                    raise RuntimeError("plan exchange: its publish is not pending (not run, or collected already)")
+                self._run_exchange(m)
+
+        exchange = run_exchange if publish is not None and self._programs.exchange is not None else None
+        return Plan(m, run_publish, run_collect, exchange)
+
+    def _run_exchange(self, m: int, variant: int = -1) -> None:
+        """The two-shot's reduce alone, for M tokens (nothing launches for a one-shot M)."""
+        assert self.mailbox is not None and self._programs.exchange is not None
+        self._in_launch = False
+        try:
+            self._run(self._programs.exchange, (self.mailbox.stage_state,), None, m=m, variant=variant,
+                      capture=self._order.capture)  # fmt: skip
+        except BaseException as error:
+            self._call_failed(error)
+            raise

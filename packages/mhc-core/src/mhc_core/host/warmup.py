@@ -31,18 +31,39 @@ class WarmUp:
             )
             publishes.append((program, moe))
         collects = list(self._warmup_collects())
-        rounds = max(len(publishes), len(collects))
+        if programs.exchange is None:
+            rounds = max(len(publishes), len(collects))
+            return [
+                self._warmup_round(publishes[i % len(publishes)], collects[i % len(collects)], -1)
+                for i in range(rounds)
+            ]
+        # With a two-shot every route (each protocol's kernels) with every publish, each at M = 1.
+        values = collects[0][0]
+        return [
+            self._warmup_round(publish, (values, route), route)
+            for route in range(len(programs.thresholds))
+            for publish in publishes
+        ]
 
-        def launcher(publish: tuple[Program, tuple[Any, ...]], collect: tuple[tuple[Any, ...], int]) -> Plan:
-            def run_publish() -> None:
-                program, inputs = publish
-                self._run(program, inputs, None)
+    def _warmup_round(
+        self, publish: tuple[Program, tuple[Any, ...]], collect: tuple[tuple[Any, ...], int], route: int
+    ) -> Plan:
+        """One round at M = 1: ``publish`` and ``collect`` (values, forced variant); ``route`` >= 0 forces
+        the publish's and the exchange's variant too (an op with a two-shot), else they follow M."""
+        programs = self._programs
+        exchange = programs.exchange
 
-            def run_collect(after_publish: bool) -> Any:
-                values, variant = collect
-                flags = AFTER_PUBLISH_FLAG if after_publish else 0
-                return self._run(programs.collect, values, None, collect=values, m=1, flags=flags, variant=variant)
+        def run_publish() -> None:
+            program, inputs = publish
+            self._run(program, inputs, None, variant=route)
 
-            return Plan(1, run_publish, run_collect)
+        def run_exchange() -> None:
+            self._run_exchange(1, route)
 
-        return [launcher(publishes[i % len(publishes)], collects[i % len(collects)]) for i in range(rounds)]
+        def run_collect(after_publish: bool) -> Any:
+            values, variant = collect
+            flags = AFTER_PUBLISH_FLAG if after_publish else 0
+            program = programs.gather if exchange is not None else programs.collect
+            return self._run(program, values, None, collect=values, m=1, flags=flags, variant=variant)
+
+        return Plan(1, run_publish, run_collect, run_exchange if exchange is not None else None)

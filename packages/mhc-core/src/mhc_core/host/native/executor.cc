@@ -106,6 +106,7 @@ struct Launch {
   bool forks_side;                      // the side stream forks right before this launch
   std::vector<ffi::Function> variants;  // by token count: variant i serves M >= min_tokens[i]
   std::vector<int64_t> min_tokens;
+  std::vector<int64_t> enabled;  // per variant, 0: nothing launches (the other protocol's M); empty: all
   std::vector<Arg> args;
 };
 
@@ -341,13 +342,6 @@ struct Call {
     std::vector<ffi::AnyView> values;
     for (const Launch& launch : program.launches) {
       void* on = launch.stream == 1 ? program.side_stream : stream;
-      if ((launch.forks_side || launch.stream == 1) && !forked && program.fork_event != nullptr) {
-        // The side kernel waits for what precedes this point on the current stream, not longer:
-        // forked before the launch that says so (GLM's boundary), else before the side launch.
-        Driver::record_on(program.fork_event, stream);
-        Driver::wait_on(program.side_stream, program.fork_event, 0);
-        forked = true;
-      }
       size_t chosen = 0;
       if (variant >= 0 && launch.variants.size() > 1) {  // a forced kernel (the warm-up's)
         if (static_cast<size_t>(variant) >= launch.variants.size()) {
@@ -358,6 +352,14 @@ struct Call {
         for (size_t v = 0; v < launch.min_tokens.size(); ++v) {
           if (m >= launch.min_tokens[v]) chosen = v;
         }
+      }
+      if (!launch.enabled.empty() && launch.enabled[chosen] == 0) continue;  // the other protocol's launch
+      if ((launch.forks_side || launch.stream == 1) && !forked && program.fork_event != nullptr) {
+        // The side kernel waits for what precedes this point on the current stream, not longer:
+        // forked before the launch that says so (GLM's boundary), else before the side launch.
+        Driver::record_on(program.fork_event, stream);
+        Driver::wait_on(program.side_stream, program.fork_event, 0);
+        forked = true;
       }
       values.clear();
       for (const Arg& arg : launch.args) {
@@ -412,8 +414,9 @@ std::vector<Dim> to_shape(const ffi::Array<int64_t>& numbers) {
 
 // `rules`: [tensor?, align, binds_m?, binds_rows?, [[code, bits] ...], [shape ...]] per parameter, a
 // shape three numbers per dimension (`to_shape`). `outputs`: [[code, bits], shape, [parameter it may
-// alias ...], strides (empty: contiguous), storage (empty, or one dimension's three)] per output. `launches`: [stream, [min_tokens ...],
-// [function ...], [[source, index, fixed] ...]] per launch. `device`: [device_type, device_id].
+// alias ...], strides (empty: contiguous), storage (empty, or one dimension's three)] per output. `launches`: [stream, forks_side,
+// [min_tokens ...], [function ...], [[source, index, fixed] ...], [enabled ...]] per launch (enabled: one
+// flag per variant, or empty for all). `device`: [device_type, device_id].
 // `events`: [side_stream, fork_event, done_event] (raw handles; 0: none).
 ffi::Function make_program(ffi::Array<ffi::Array<ffi::Any>> rules, ffi::Array<ffi::Array<ffi::Any>> outputs,
                            ffi::Array<ffi::Array<ffi::Any>> launches, ffi::Array<int64_t> device, int64_t capacity,
@@ -458,6 +461,10 @@ ffi::Function make_program(ffi::Array<ffi::Array<ffi::Any>> rules, ffi::Array<ff
     }
     for (const auto& a : l[4].cast<ffi::Array<ffi::Array<ffi::Any>>>()) {
       launch.args.push_back(Arg{static_cast<Source>(a[0].cast<int64_t>()), a[1].cast<int64_t>(), a[2]});
+    }
+    if (l.size() > 5) launch.enabled = to_ints(l[5].cast<ffi::Array<int64_t>>());
+    if (!launch.enabled.empty() && launch.enabled.size() != launch.variants.size()) {
+      TVM_FFI_THROW(ValueError) << "mhc: a launch needs one enabled flag per variant";
     }
     program->launches.push_back(std::move(launch));
   }
