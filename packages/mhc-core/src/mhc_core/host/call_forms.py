@@ -158,7 +158,7 @@ class CallForms:
             stage_state=Fixed(mailbox.stage_state),
             destinations=Fixed(mailbox.scatter_destinations if two_shot else mailbox.destinations),
             rank=Fixed(self.rank),
-            capacity=Fixed(mailbox.two_shot_capacity if two_shot else mailbox.capacity),
+            capacity=Fixed(mailbox.two_shot_capacity if two_shot else self._one_shot_capacity()),
             token_check=Fixed(int(self.spin.checks_token_counts)),
             m=DIM_M,
         )
@@ -172,11 +172,16 @@ class CallForms:
         return dict(
             mailbox=Fixed(mailbox.gather_buffer if two_shot else mailbox.buffer),
             stage_state=Fixed(mailbox.stage_state),
-            capacity=Fixed(mailbox.two_shot_capacity if two_shot else mailbox.capacity),
+            capacity=Fixed(mailbox.two_shot_capacity if two_shot else self._one_shot_capacity()),
             spin_limit_ns=Fixed(self.spin.limit_ns),
             error_flag=Fixed(self.spin.address),
             m=DIM_M,
         )
+
+    def _one_shot_capacity(self) -> int:
+        """Tokens the one-shot mailbox region holds: the op's capacity, or below the two-shot's crossover."""
+        protocols = self.protocols
+        return self.capacity if protocols.two_shot_from is None else protocols.one_shot_capacity
 
     def _reduce_launch(self) -> Launch:
         """The two-shot's reduce: this rank's reduce-scatter mailbox into every rank's gather mailbox."""

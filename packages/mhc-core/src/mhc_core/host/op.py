@@ -73,7 +73,7 @@ from ..device.configs import (
     ReduceConfig,
 )
 from ..presets import MAX_TOP_K
-from ..protocols import ONE_SHOT, TWO_SHOT, choose_protocol
+from ..protocols import ONE_SHOT, TWO_SHOT, ProtocolChoice, choose_protocol
 from . import artifacts, library
 from .allocation import choose_allocation, device_identity, requested_allocation
 from .call_forms import CallForms, Programs
@@ -123,6 +123,10 @@ class LamportOp(CallForms, EagerCalls, TwoPhaseCalls, WarmUp, Lifetime, ModelOp)
     weight_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
     #: Whether the collective can read x itself at tp = 1 (a call then launches no publish).
     reads_x: bool = True
+    #: The protocol routing (``__init__`` sets the op's own; an op assembled without it is one-shot).
+    protocols = ProtocolChoice(ONE_SHOT, None, 0)
+    _scatter_kernels: dict[Any, CompiledKernel] = {}  # noqa: RUF012 (read-only default: replaced per op)
+    _reduce_kernel: CompiledKernel | None = None
 
     def __init__(
         self,
