@@ -36,6 +36,42 @@ def table(records) -> str:
     return "\n".join(lines)
 
 
+def two_shot_table(records) -> str:
+    """``--suite two-shot``: per (tp, model) and M, each protocol's time, its floor with the mailbox
+    traffic, the two-shot / one-shot ratio; then the crossover measured and the cost model's."""
+    from mhc_core.protocols import NVLINK_H200
+
+    groups = defaultdict(dict)
+    for record in records:
+        model, protocol = record.variant.rsplit(" ", 1)
+        groups[(record.tp, model)].setdefault(record.m, {})[protocol] = record
+    lines = []
+    for (tp, model), by_m in groups.items():
+        lines.append(f"\ntwo-shot, {model}, loopback tp {tp} (median us per call of all ranks, CUDA-graph replays)")
+        lines.append("| M | one-shot | two-shot | two / one | one-shot floor w/ mailbox | two-shot floor w/ mailbox |")
+        lines.append("|---|---|---|---|---|---|")
+        crossover = None
+        for m in sorted(by_m):
+            one, two = by_m[m].get("one-shot"), by_m[m].get("two-shot")
+            if one is None or two is None:
+                continue
+            if two.us < one.us and crossover is None:
+                crossover = m
+            elif two.us >= one.us:
+                crossover = None
+            lines.append(
+                f"| {m} | {one.us:.1f} | {two.us:.1f} | {two.us / one.us:.2f} | {one.mailbox_floor_us:.1f} | "
+                f"{two.mailbox_floor_us:.1f} |"
+            )
+        hidden = {"dsv41": 5120, "glm5": 4096}.get(model)
+        model_crossover = NVLINK_H200.crossover(tp, hidden) if hidden else None
+        lines.append(
+            f"crossover measured (loopback, the smallest M from which two-shot stays faster): {crossover}; "
+            f"cost model for real tp {tp}: {model_crossover}"
+        )
+    return "\n".join(lines)
+
+
 def host_table(records) -> str:
     """The host-overhead suite: one row per call, host (median and best of the rounds) and wall
     microseconds, each host figure beside ``F.rms_norm``'s of the same run, the launch floor."""

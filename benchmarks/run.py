@@ -3,6 +3,7 @@
     python3 -m benchmarks.run [--suite core spin-bound host fp8 <a model's suites>] [--out DIR]
     python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m benchmarks.run   # real tp 2
     python3 -m benchmarks.run --suite fp8 --dry-run   # no GPU: what the FP8 suite builds and checks
+    python3 -m benchmarks.run --suite two-shot --m 1 8 16 32 64 128 256 512 1024   # loopback tp 4, 8
 
 Under torchrun the suites run over a real NCCL group (unicast Lamport; NVLink
 multicast stays off). Results go to DIR as JSON, a markdown table and PNG plots.
@@ -41,7 +42,7 @@ from mhc_core.bench import SMALL_M  # noqa: E402
 from mhc_core.bench.records import Context, Record  # noqa: E402
 from mhc_core.bench.timing import copy_bandwidth_bytes_per_us, device_description  # noqa: E402
 
-from . import fp8, report, suites  # noqa: E402
+from . import fp8, report, suites, two_shot  # noqa: E402
 
 DEFAULT_M = (1, 8, 64, 256, 1024)
 
@@ -52,6 +53,7 @@ GENERIC: dict[str, Suite] = {
     "spin-bound": lambda ctx, ms: suites.spin_bound(ctx, [m for m in ms if m <= SMALL_M]),
     "host": lambda ctx, ms: suites.host_overhead(ctx, [1]),
     "fp8": fp8.fp8_suite,
+    "two-shot": two_shot.two_shot_suite,
 }
 
 
@@ -76,7 +78,12 @@ DEFAULT_SUITES = ("core", *(name for model in registry.models().values() for nam
 #: Suites a plain run adds when not under torchrun.
 SINGLE_PROCESS_SUITES = ("host",)
 #: The table each suite prints (the generic one where not named; ``Model.benchmark_tables``).
-TABLES = {"host": report.host_table, "fp8": report.fp8_table, **_declared("benchmark_tables")}
+TABLES = {
+    "host": report.host_table,
+    "fp8": report.fp8_table,
+    "two-shot": report.two_shot_table,
+    **_declared("benchmark_tables"),
+}
 
 
 def commit() -> str:

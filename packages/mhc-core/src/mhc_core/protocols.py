@@ -143,3 +143,18 @@ def choose_protocol(
     if start is None or start > capacity:
         return ProtocolChoice(requested, None, capacity)
     return ProtocolChoice(requested, start, capacity)
+
+
+def mailbox_traffic_bytes(protocol: str, tp: int, hidden: int, m: int) -> int:
+    """Bytes one rank's call moves through its GPU's memory for the all-reduce (what loopback, where
+    every rank is on one GPU, measures the ratio of): the one-shot writes tp rows into the mailboxes,
+    reads and re-arms tp rows; the two-shot scatters one row, reads, re-arms and gathers one row of
+    slices, then reads and re-arms the gathered row: six rows whatever tp."""
+    row = m * hidden * 2
+    return 3 * tp * row if protocol == ONE_SHOT else 6 * row
+
+
+def link_bytes(protocol: str, tp: int, hidden: int, m: int) -> float:
+    """Bytes one rank receives from its peers (over NVLink on real GPUs)."""
+    row = m * hidden * 2
+    return (tp - 1) * row if protocol == ONE_SHOT else 2 * (tp - 1) / tp * row
