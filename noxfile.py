@@ -131,18 +131,11 @@ def build(session: nox.Session) -> None:
         session.log(f"{wheel.name:<60} {wheel.stat().st_size:>9}")
 
 
-#: Libraries the wheels' binaries load from other distributions' wheels (apache-tvm-ffi's, the DSL's
-#: runtime, by soname), declared as dependencies instead of copied in: auditwheel checks the rest.
-FROM_OTHER_WHEELS = ("libtvm_ffi.so", "libcute_dsl_runtime.so")
-
-
 def _manylinux(session: nox.Session, wheel: Path) -> None:
-    """Retag a platform wheel (``linux_x86_64``, what hatch writes) with the manylinux tag its binaries
-    satisfy, as auditwheel computes it from the glibc and libstdc++ symbol versions they need; a
-    binary no manylinux policy allows fails the build. Nothing is copied into the wheel."""
-    excluded = [arg for soname in FROM_OTHER_WHEELS for arg in ("--exclude", soname)]
-    session.run("auditwheel", "repair", *excluded, "--wheel-dir", str(wheel.parent), str(wheel))
-    wheel.unlink()
+    """Retag a platform wheel (``linux_x86_64``, what hatch writes) with the platform floor
+    (``tools.manylinux``: manylinux_2_28, torch's), checked by auditwheel; a binary that needs
+    anything newer fails the build. Nothing is copied into the wheel."""
+    session.run("python", "-m", "tools.manylinux", str(wheel))
 
 
 @nox.session(tags=["tests"])
