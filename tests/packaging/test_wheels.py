@@ -41,7 +41,7 @@ CORE_EXTRAS = {
         'cuda-bindings<13,>=12.8; extra == "cu12"',
     },
     "cu13": {'nvidia-cutlass-dsl-libs-cu13==4.8.1; extra == "cu13"'},
-    "jit": {'nvidia-cutlass-dsl==4.8.1; extra == "jit"'},
+    "jit": {'nvidia-cutlass-dsl==4.8.1; extra == "jit"', 'cuda-bindings<13,>=12.8; extra == "jit"'},
 }
 MODEL_EXTRAS = {extra: {f'mhc-core[{extra}]~=0.6.0; extra == "{extra}"'} for extra in CORE_EXTRAS}
 EXTRAS = {"mhc-core": CORE_EXTRAS, **dict.fromkeys(MODELS, MODEL_EXTRAS)}
