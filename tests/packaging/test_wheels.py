@@ -28,8 +28,8 @@ MODELS = {model.distribution: model for model in registry.models().values()}
 PACKAGES = {
     # distribution: (import name, pins its METADATA must declare). No base pin names a CUDA major
     # (issue #34): the DSL's runtime comes from an extra.
-    # apache-tvm-ffi: the launch convention (no numpy: spin.py reads the error report through ctypes).
-    "mhc-core": ("mhc_core", {TORCH, "apache-tvm-ffi<0.2,>=0.1.15"}),
+    # apache-tvm-ffi: the launch convention; numpy: only so that torch imports without its warning.
+    "mhc-core": ("mhc_core", {TORCH, "apache-tvm-ffi<0.2,>=0.1.15", "numpy"}),
     # Every model package: mhc-core (0.6.0: the startup votes, mailbox_allocation) and torch.
     **{distribution: (model.package, {"mhc-core~=0.6.0", TORCH}) for distribution, model in MODELS.items()},
 }
