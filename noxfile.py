@@ -64,6 +64,10 @@ HATCHLING = "hatchling>=1.27"
 NO_MULTICAST = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
 MULTICAST = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "0", "NCCL_NVLS_ENABLE": "1", "NVSHMEM_DISABLE_NVLS": "0"}
 
+#: What every test session's pytest reports: the reasons of the skips (-rs: a GPU test skipped on a CPU
+#: host reads as such, not as broken) and the 15 slowest tests.
+PYTEST_REPORT = ("-rs", "--durations=15")
+
 nox.options.default_venv_backend = "virtualenv"  # pip, so the machine's pip settings (find-links, caps) apply
 nox.options.sessions = ["lint", "tests"]
 nox.options.reuse_venv = "yes"
@@ -78,7 +82,7 @@ def _source_path() -> dict[str, str]:
 def _install_runtime(session: nox.Session, *packages: str, versions: str = "highest") -> None:
     """torch, the DSL and apache-tvm-ffi at ``versions`` (``VERSIONS``), the test tools, then the given
     packages editable (in dependency order)."""
-    # numpy: no package needs it, but some tests check against it as an independent reference (FP32
+    # numpy: mhc-core brings it (for torch), and some tests check against it as an independent reference (FP32
     # division, bit patterns); CI installs nothing else that brings it in.
     session.install(
         *VERSIONS[versions],
@@ -131,18 +135,11 @@ def build(session: nox.Session) -> None:
         session.log(f"{wheel.name:<60} {wheel.stat().st_size:>9}")
 
 
-#: Libraries the wheels' binaries load from other distributions' wheels (apache-tvm-ffi's, the DSL's
-#: runtime, by soname), declared as dependencies instead of copied in: auditwheel checks the rest.
-FROM_OTHER_WHEELS = ("libtvm_ffi.so", "libcute_dsl_runtime.so")
-
-
 def _manylinux(session: nox.Session, wheel: Path) -> None:
-    """Retag a platform wheel (``linux_x86_64``, what hatch writes) with the manylinux tag its binaries
-    satisfy, as auditwheel computes it from the glibc and libstdc++ symbol versions they need; a
-    binary no manylinux policy allows fails the build. Nothing is copied into the wheel."""
-    excluded = [arg for soname in FROM_OTHER_WHEELS for arg in ("--exclude", soname)]
-    session.run("auditwheel", "repair", *excluded, "--wheel-dir", str(wheel.parent), str(wheel))
-    wheel.unlink()
+    """Retag a platform wheel (``linux_x86_64``, what hatch writes) with the platform floor
+    (``tools.manylinux``: manylinux_2_28, torch's), checked by auditwheel; a binary that needs
+    anything newer fails the build. Nothing is copied into the wheel."""
+    session.run("python", "-m", "tools.manylinux", str(wheel))
 
 
 @nox.session(tags=["tests"])
@@ -154,20 +151,22 @@ def tests(session: nox.Session, versions: str) -> None:
     session.run(
         "python", "-c", "import torch, tvm_ffi; print('torch', torch.__version__, 'tvm-ffi', tvm_ffi.__version__)"
     )
-    session.run("python", "-m", "pytest", "tests", *session.posargs)
+    session.run("python", "-m", "pytest", *PYTEST_REPORT, "tests", *session.posargs)
 
 
 @nox.session(tags=["tests"], default=False)
 def tests_core(session: nox.Session) -> None:
     """mhc-core's tests, with codegen's and the packaging tests."""
     _install_runtime(session, *PACKAGES)  # the codegen and packaging tests import the model packages' configs
-    session.run("python", "-m", "pytest", "tests/core", "tests/codegen", "tests/packaging", *session.posargs)
+    session.run(
+        "python", "-m", "pytest", *PYTEST_REPORT, "tests/core", "tests/codegen", "tests/packaging", *session.posargs
+    )
 
 
 def _model_tests(key: str, distribution: str) -> None:
     def session_function(session: nox.Session) -> None:
         _install_runtime(session, CORE, distribution)
-        session.run("python", "-m", "pytest", f"tests/{key}", *session.posargs, success_codes=[0, 5])
+        session.run("python", "-m", "pytest", *PYTEST_REPORT, f"tests/{key}", *session.posargs, success_codes=[0, 5])
 
     session_function.__doc__ = f"{distribution}'s tests (with {CORE} installed beside it)."
     nox.session(name=f"tests_{key}", tags=["tests"], default=False)(session_function)

@@ -52,3 +52,24 @@ def test_from_config_warns_before_building(module: str, caplog: pytest.LogCaptur
     with caplog.at_level(logging.WARNING, logger="mhc"), pytest.raises(ValueError, match="max_num_tokens"):
         cls.from_preset(untuned, max_num_tokens=0, device="cuda")
     assert any(f"preset {untuned!r} is untuned" in record.getMessage() for record in caplog.records)
+
+
+@pytest.mark.parametrize("model", ["dsv41", "glm5"])
+def test_an_untuned_preset_s_repr_says_what_that_means(model: str) -> None:
+    """Issue #49: ``find_preset`` returned presets marked ``tuned=False`` with no word on what it means."""
+    import importlib
+
+    from mhc_core import registry
+
+    presets = importlib.import_module(registry.model(model).presets_package)
+    modules = [presets.get(name) for name in presets.names()]
+    untuned = [module.PRESET for module in modules if not module.PRESET.tuned]
+    tuned = [module.PRESET for module in modules if module.PRESET.tuned]
+    assert untuned and tuned, model
+    for preset in untuned:
+        text = repr(preset)
+        assert "tuned=False" in text and "  # untuned: its geometry was not measured on its target" in text, text
+        assert "python3 -m benchmarks.run" in text and "presets.toml" in text
+        assert eval(text, vars(importlib.import_module(type(preset).__module__))) == preset
+    for preset in tuned:
+        assert "#" not in repr(preset).split(")")[-1], repr(preset)

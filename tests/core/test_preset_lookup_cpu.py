@@ -72,3 +72,49 @@ def test_test_presets_leave_the_wheels_kernel_libraries() -> None:
     assert exported and not [name for _, name, _ in exported if name.startswith("test-")]
     checked = [name for _, name, _ in select_presets(models, [])]
     assert "test-tp4-h7168" in checked
+
+
+@pytest.mark.parametrize(
+    ("arch", "name"),
+    [
+        ("sm_90a", "h200-tp2-h5120"),
+        ("sm_90", "h200-tp2-h5120"),  # torch.cuda.get_arch_list()'s spelling
+        ("SM_90A", "h200-tp2-h5120"),
+        ("90", "h200-tp2-h5120"),  # TORCH_CUDA_ARCH_LIST without its dot, vLLM's
+        ("90a", "h200-tp2-h5120"),
+        ("9.0", "h200-tp2-h5120"),  # TORCH_CUDA_ARCH_LIST's
+        ("compute_90a", "h200-tp2-h5120"),  # nvcc's virtual arch
+        ((9, 0), "h200-tp2-h5120"),  # torch.cuda.get_device_capability()
+        ([9, 0], "h200-tp2-h5120"),
+        (90, "h200-tp2-h5120"),
+        ("sm_100", "gb300-tp4-h5120"),
+        ("100a", "gb300-tp4-h5120"),
+        ((10, 3), "gb300-tp4-h5120"),
+        ("sm_103", "gb300-tp4-h5120"),
+    ],
+)
+def test_the_arch_is_taken_as_torch_and_engines_spell_it(arch: object, name: str) -> None:
+    """Issue #49: ``arch="sm_90"`` was refused, only ``"sm_90a"`` taken."""
+    tp = int(name.split("-tp")[1].split("-")[0])
+    found = mhc_core.find_preset("dsv41", arch=arch, tp=tp, hidden=5120)
+    assert found.PRESET.name == name
+
+
+@pytest.mark.parametrize(
+    ("arch", "error", "message"),
+    [
+        (
+            "sm_80",
+            ValueError,
+            r"arch: expected one of sm_90a \(9, 0\), sm_100a \(10, 0\), sm_103a \(10, 3\) .* 'sm_80'",
+        ),
+        ((8, 6), ValueError, r"arch: expected one of .* got \(8, 6\)"),
+        ("hopper", ValueError, r"arch: expected one of .* got 'hopper'"),
+        ("9.x", ValueError, r"arch: expected one of .* got '9.x'"),
+        (9.0, TypeError, r"arch: expected a str such as 'sm_90a' or a capability such as \(9, 0\), got 9.0"),
+        ((9, "0"), TypeError, r"arch: expected a str .* got \(9, '0'\)"),
+    ],
+)
+def test_an_arch_of_no_kernel_is_named(arch: object, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        mhc_core.find_preset("dsv41", arch=arch, tp=2, hidden=5120)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Protocol
 
-from .constants import ARCH_BY_CAPABILITY, SUPPORTED_ARCHS
+from .constants import ARCH_BY_CAPABILITY
 from .presets import is_test_preset
 from .registry import model as registered_model
 
@@ -63,16 +63,49 @@ class _Wanted:
         return found
 
 
-def _arch(arch: str | None, capability: tuple[int, int] | None, device: Any) -> str:
+def normalize_arch(arch: object) -> str:
+    """The kernels' arch name (``SUPPORTED_ARCHS``) for an arch spelled as torch and engines spell it:
+    ``"sm_90a"``, ``"sm_90"``, ``"90"``, ``"90a"``, ``"9.0"``, ``"compute_90a"`` (any case), the
+    capability ``(9, 0)`` (``torch.cuda.get_device_capability``) or ``90``. The kernels of an arch are
+    its arch-specific ("a") build: ``sm_90`` is ``sm_90a``."""
+    if isinstance(arch, (tuple, list)) and len(arch) == 2 and all(_is_int(part) for part in arch):
+        key = (int(arch[0]), int(arch[1]))
+    elif _is_int(arch) or isinstance(arch, str):
+        key = _capability_of(str(arch))
+    else:
+        raise TypeError(f"arch: expected a str such as 'sm_90a' or a capability such as (9, 0), got {arch!r}")
+    if key is None or key not in ARCH_BY_CAPABILITY:
+        spellings = ", ".join(f"{name} ({major}, {minor})" for (major, minor), name in ARCH_BY_CAPABILITY.items())
+        raise ValueError(f"arch: expected one of {spellings} in any of their spellings, got {arch!r}")
+    return ARCH_BY_CAPABILITY[key]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _capability_of(text: str) -> tuple[int, int] | None:
+    """(major, minor) of ``"sm_90a"``, ``"compute_90"``, ``"90"``, ``"9.0"``; None if it is none of these."""
+    name = text.strip().lower()
+    for prefix in ("sm_", "compute_", "sm"):
+        name = name.removeprefix(prefix)
+    name = name.removesuffix("a")
+    if "." in name:
+        major, _, minor = name.partition(".")
+        return (int(major), int(minor)) if major.isdigit() and minor.isdigit() else None
+    if len(name) >= 2 and name.isdigit():
+        return int(name[:-1]), int(name[-1])
+    return None
+
+
+def _arch(arch: object, capability: tuple[int, int] | None, device: Any) -> str:
     given = [
         name for name, value in (("arch", arch), ("capability", capability), ("device", device)) if value is not None
     ]
     if len(given) != 1:
         raise TypeError(f"find_preset: expected one of arch, capability or device; got {given or 'none'}")
     if arch is not None:
-        if arch not in SUPPORTED_ARCHS:
-            raise ValueError(f"arch: expected one of {SUPPORTED_ARCHS}, got {arch!r}")
-        return arch
+        return normalize_arch(arch)
     if capability is not None:
         key = (int(capability[0]), int(capability[1]))
         if key not in ARCH_BY_CAPABILITY:
@@ -96,13 +129,13 @@ def find_preset(
     tp: int,
     hidden: int,
     hc: int | None = None,
-    arch: str | None = None,
+    arch: str | tuple[int, int] | None = None,
     capability: tuple[int, int] | None = None,
     device: Any = None,
 ) -> PresetModule:
-    """The module of ``model``'s shipped preset for one GPU (``arch``, ``capability`` or ``device``:
-    exactly one), ``tp``, ``hidden`` and ``hc`` (None: any). Raises ``LookupError`` naming the
-    closest presets and what differs when none matches."""
+    """The module of ``model``'s shipped preset for one GPU (``arch`` in any spelling ``normalize_arch``
+    takes, ``capability`` or ``device``: exactly one), ``tp``, ``hidden`` and ``hc`` (None: any).
+    Raises ``LookupError`` naming the closest presets and what differs when none matches."""
     wanted = _Wanted(_arch(arch, capability, device), tp, hidden, hc)
     presets = shipped_presets(model)
     ranked = sorted(presets.items(), key=lambda item: (len(wanted.differences(item[1].PRESET)), item[0]))

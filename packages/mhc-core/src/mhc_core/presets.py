@@ -7,6 +7,7 @@ The code generator adds the file and the preset's name.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -135,6 +136,24 @@ def module_name(preset_name: str) -> str:
     return preset_name.replace("-", "_")
 
 
+#: What ``tuned=False`` means and how to tune: the warning and an untuned preset's repr say it.
+UNTUNED = (
+    "untuned: its geometry was not measured on its target (a rule, the seed's values or another host's "
+    "measurements): the op is correct, its speed there is unmeasured; to tune it, time its cases on the "
+    "target (python3 -m benchmarks.run), set the faster geometry and tuned = true in its model's "
+    "presets.toml and regenerate (python3 -m codegen)"
+)
+
+
+def preset_repr(preset: Any) -> str:
+    """A preset dataclass's repr, with what ``tuned=False`` means after it as a comment (``eval``
+    still reads it)."""
+    shown = [field.name for field in dataclasses.fields(preset) if field.repr]
+    fields = ", ".join(f"{name}={getattr(preset, name)!r}" for name in shown)
+    text = f"{type(preset).__name__}({fields})"
+    return text if getattr(preset, "tuned", True) else f"{text}  # {UNTUNED}"
+
+
 def warn_if_untuned(preset: object) -> bool:
     """Log a warning (logger ``mhc``) when ``preset`` is not marked ``tuned``: its geometry comes from
     a rule, the seed's values or another host's measurements, so it is correct but its speed on its
@@ -142,9 +161,9 @@ def warn_if_untuned(preset: object) -> bool:
     if getattr(preset, "tuned", False):
         return False
     logging.getLogger("mhc").warning(
-        "preset %r is untuned: its geometry was not measured on its target (%s); the op is correct, its "
-        "speed there is unmeasured (presets.toml says where the values come from)",
+        "preset %r is %s (%s; presets.toml says where its values come from)",
         getattr(preset, "name", preset),
+        UNTUNED,
         getattr(preset, "description", ""),
     )
     return True

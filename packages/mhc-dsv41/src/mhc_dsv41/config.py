@@ -32,6 +32,7 @@ from mhc_core.presets import (
     SM_THREADS,
     PresetError,
     argument_preset,
+    preset_repr,
     require,
     require_archs,
     require_hidden,
@@ -251,6 +252,9 @@ class DSV41Preset(CollectiveGeometry):
     layer_input_format: str = LAYER_INPUT_BF16
     layer_input_bf16: bool = False
     description: str = field(default="", compare=False)
+
+    def __repr__(self) -> str:
+        return preset_repr(self)  # says what tuned=False means
 
     def __post_init__(self) -> None:
         require_name(self.name)

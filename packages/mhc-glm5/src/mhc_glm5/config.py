@@ -41,6 +41,7 @@ from mhc_core.presets import (
     SM_SHARED_BYTES,
     PresetError,
     argument_preset,
+    preset_repr,
     require,
     require_archs,
     require_hidden,
@@ -394,6 +395,9 @@ class GLM5Preset:
     layer_input_format: str = LAYER_INPUT_BF16
     layer_input_bf16: bool = False
     description: str = field(default="", compare=False)
+
+    def __repr__(self) -> str:
+        return preset_repr(self)  # says what tuned=False means
 
     def __post_init__(self) -> None:
         require_name(self.name)

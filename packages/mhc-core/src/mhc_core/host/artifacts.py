@@ -621,11 +621,17 @@ def link_flags() -> tuple[str, ...]:
     return tuple(dict.fromkeys(flags))
 
 
+#: libc needed by name: a kernel calls nothing in it, and a library that names no libc is one
+#: auditwheel cannot place on a platform (it warns and guesses the build host's).
+NEEDS_LIBC = ("-Wl,--push-state,--no-as-needed", "-lc", "-Wl,--pop-state")
+
+
 def link(objects: list[str], target: Path) -> None:
     """Link exported objects into the shared library ``target`` (``cc``)."""
     import subprocess
 
-    subprocess.run(["cc", "-shared", "-o", str(target), *objects, *link_flags()], check=True, capture_output=True)
+    command = ["cc", "-shared", "-o", str(target), *objects, *link_flags(), *NEEDS_LIBC]
+    subprocess.run(command, check=True, capture_output=True)
 
 
 @functools.cache

@@ -40,15 +40,29 @@ from .. import cache_files
 
 LOG = logging.getLogger("mhc")
 SOURCE = Path(__file__).with_name("executor.cc")
+#: What keeps the library loadable down to glibc 2.28 when built on a newer one (see its header).
+FLOOR_SOURCE = Path(__file__).with_name("glibc_floor.cc")
 PACKAGED = Path(__file__).with_name("libmhc_host.so")
-FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-s")
+#: libstdc++ linked in (its symbols kept private): the floor's (GCC 8's, GLIBCXX_3.4.25) is older
+#: than what a newer compiler's headers ask for (3.4.29 with GCC 12). libgcc stays shared: of
+#: libgcc_s.so.1 only old GCC_ versions are asked for, while a static unwinder of GCC >= 12 needs
+#: glibc 2.35's _dl_find_object. --gc-sections keeps out the archive members nothing calls
+#: (std::random_device's arc4random, GLIBC_2.36).
+FLAGS = (
+    "-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-s",
+    "-static-libstdc++", "-Wl,--exclude-libs,ALL", "-Wl,--gc-sections",
+    "-Wl,--wrap=dlopen,--wrap=dlsym,--wrap=pthread_once",
+)  # fmt: skip
+#: Where glibc < 2.34 keeps dlopen, dlsym and pthread_once (glibc_floor.cc), needed by name even where
+#: libc has them (2.34 and later keep both as empty stubs).
+OLD_GLIBC_LIBS = ("-Wl,--push-state,--no-as-needed", "-l:libdl.so.2", "-l:libpthread.so.0", "-Wl,--pop-state")
 CACHE_ENV = "MHC_CACHE_DIR"
 _CACHE_NAME = "the host library cache"
 
 
 def digest() -> str:
-    """sha256 of the source and the build flags: what a library must report to be loaded."""
-    text = SOURCE.read_bytes() + b"\0" + " ".join(FLAGS).encode()
+    """sha256 of the sources and the build flags: what a library must report to be loaded."""
+    text = SOURCE.read_bytes() + b"\0" + FLOOR_SOURCE.read_bytes() + b"\0" + " ".join(FLAGS + OLD_GLIBC_LIBS).encode()
     return hashlib.sha256(text).hexdigest()
 
 
@@ -82,8 +96,8 @@ def build(target: Path) -> Path:
     with tempfile.TemporaryDirectory(prefix="mhc-native-", dir=target.parent) as scratch:
         partial = Path(scratch, target.name)
         command = [
-            compiler, *FLAGS, str(SOURCE), f'-DMHC_SOURCE_DIGEST="{source_digest}"',
-            *(f"-I{path}" for path in sorted(includes)), str(library), "-ldl", "-o", str(partial),
+            compiler, *FLAGS, str(SOURCE), str(FLOOR_SOURCE), f'-DMHC_SOURCE_DIGEST="{source_digest}"',
+            *(f"-I{path}" for path in sorted(includes)), str(library), *OLD_GLIBC_LIBS, "-o", str(partial),
         ]  # fmt: skip
         start = time.perf_counter()
         result = subprocess.run(command, capture_output=True, text=True)
