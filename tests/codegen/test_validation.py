@@ -27,7 +27,7 @@ DSV_KEYS = (
 GLM_KEYS = (
     "hidden, hc, tp, top_k, cluster_size, cluster_tokens, rms_eps, hc_eps, post_mult, sinkhorn_repeat, "
     "norm_eps, archs, publish_threads, mixes_threads, persistent_min_tokens, tuned, layer_input_format, "
-    "layer_input_bf16, description"
+    "layer_input_bf16, description, threads (derived)"
 )
 
 #: The rule of a float the kernels compute with in FP32 (``mhc_core.presets.require_positive_float``).
@@ -293,7 +293,8 @@ def test_unknown_model(workdir: Path, capsys: pytest.CaptureFixture[str]) -> Non
     document = repo_presets()
     document["llama3"] = {"h200-tp2-h4096": dict(document["glm5"]["h200-tp2-h4096"])}
     assert run_bad(workdir, document, capsys) == [
-        "error: presets.toml: [llama3] unknown model; expected one of dsv41, glm5"
+        "error: presets.toml: [llama3] unknown model: no registered package declares 'llama3'; "
+        "expected one of dsv41, glm5"
     ]
 
 

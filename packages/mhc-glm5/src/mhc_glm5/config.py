@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from mhc_core.constants import SUPPORTED_ARCHS, VEC_BF16, WARP_SIZE
 from mhc_core.presets import (
@@ -394,6 +394,10 @@ class GLM5Preset:
     layer_input_format: str = LAYER_INPUT_BF16
     layer_input_bf16: bool = False
     description: str = field(default="", compare=False)
+
+    #: Values the kernels derive from the fields (properties, not fields): a presets table may write
+    #: one, and codegen refuses it unless it equals the rule's value (``codegen.schema``).
+    DERIVED: ClassVar[dict[str, str]] = {"threads": "hidden / 8 / cluster_size * 4"}
 
     def __post_init__(self) -> None:
         require_name(self.name)
