@@ -202,9 +202,8 @@ def load_presets(path: Path, owner: Model | None = None, *, root: bool = False) 
             errors.append(f"{source}: [{key}] is not {owner.key}'s: {key}'s tables go in {model.presets_source}")
             continue
         if root and model.presets_path is not None:
-            errors.append(
-                f"{source}: [{key}] {key} ships its own presets file: its tables go there ({model.presets_source})"
-            )
+            own = display(model.presets_path)
+            errors.append(f"{source}: [{key}] {key} ships its own presets file: its tables go there ({own})")
             continue
         for name, table in tables.items():
             try:
