@@ -1,7 +1,7 @@
 """GLM-5.3-Flash presets: the frozen configuration of one target and its derived launch geometry.
 
 Pure Python (no torch, no DSL): the code generator imports it to validate
-the package's ``presets.toml`` and to render the preset modules.
+the ``[glm5.<name>]`` tables of the repository's ``presets.toml`` and to render the preset modules.
 
 Geometry: one cluster of ``cluster_size`` CTAs per token (or per group of tokens,
 ``cluster_tokens``). A CTA holds ``hidden / 8 / cluster_size`` fragment groups of 4
