@@ -37,7 +37,8 @@ Cases share state a per-rank collection would rebuild per test: one process grou
 per shape and reused across cases (construction is itself a collective vote), and the GPU kept busy
 between them. (3) The kill mode needs a driver outside torchrun (``tests.multigpu.kill``), which
 tears the job down when a rank dies. (4) The verdict is the slowest rank's wall time per case and
-one "N passed" line for the whole job. The case lists (``SUITES``) and ``--only`` give what collection would: a named subset.
+one "N passed" line for the whole job. The case lists (``SUITES``) and ``--only`` give what
+collection would: a named subset.
 """
 
 from __future__ import annotations
