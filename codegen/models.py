@@ -1,5 +1,5 @@
 """The models codegen knows, from the model registry (``mhc_core.registry``): where their presets
-come from (each model package's own presets file) and where their modules go."""
+come from (the repository's root ``presets.toml``, or a model's own file) and where their modules go."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from typing import Any
 
 #: The repository this codegen lives in (its packages provide the preset dataclasses).
 REPO = Path(__file__).resolve().parents[1]
+#: The in-repo models' presets file, at the repository's root.
+ROOT_PRESETS = "presets.toml"
 CORE_SRC = REPO / "packages" / "mhc-core" / "src"
 
 
@@ -55,17 +57,19 @@ class Model:
 
     @property
     def presets_path(self) -> Path | None:
-        """The model's own presets file (``presets_file`` in its distribution folder), if it declares one."""
+        """The model's own presets file (``presets_file`` in its distribution folder), if it declares one;
+        None: its tables are in the repository's root ``presets.toml`` (``root_presets()``)."""
         if self.entry.presets_file is None:
             return None
         return self.distribution_dir(REPO) / self.entry.presets_file
 
     @property
-    def presets_source(self) -> str | None:
-        """The model's own presets file as the generated modules name it: from the repository's root
-        for this checkout's packages, else from its distribution folder (where they are generated)."""
+    def presets_source(self) -> str:
+        """The file holding the model's tables as the generated modules name it: the root
+        ``presets.toml`` for a model without its own file; its own file from the repository's root for
+        this checkout's packages, else from its distribution folder (where they are generated)."""
         if self.entry.presets_file is None:
-            return None
+            return ROOT_PRESETS
         if self.in_checkout:
             return f"packages/{self.entry.distribution}/{self.entry.presets_file}"
         return str(self.entry.presets_file)
@@ -87,6 +91,11 @@ class Model:
 
     def defaults_function(self) -> Any:
         return self.entry.load_defaults()
+
+
+def root_presets() -> Path:
+    """The repository's root presets file (``REPO`` read when called: the tests point it at a copy)."""
+    return REPO / ROOT_PRESETS
 
 
 def models() -> dict[str, Model]:

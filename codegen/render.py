@@ -81,6 +81,7 @@ def render_preset(env: jinja2.Environment, preset: Preset, source: str | None = 
         "op_module": model.op_module,
         "op_class": model.op_class,
         "arguments": preset_arguments(preset),
+        "derived": [f"# {line}" for line in preset.derived.values()],
         "geometry": checked(geometry, used=len("GEOMETRY: dict[str, Any] = "), split=True),
         "kernels": checked(
             kernels, used=len("KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = "), split=True
@@ -138,7 +139,7 @@ def render_all(presets: list[Preset], root: Path) -> list[Output]:
             if tests and not group:
                 continue
             origin = f"[{model.key}] {'test registry' if tests else 'registry'}"
-            source = group[0].source if group else (model.presets_source or "presets.toml")
+            source = group[0].source if group else model.presets_source
             registry = render_registry(env, model, group, source, tests=tests)
             outputs.append(Output(directory / "__init__.py", registry, origin))
             for preset in group:

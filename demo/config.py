@@ -9,7 +9,7 @@ attention stand-in, then a MoE), so ``2 * layers`` boundaries per decode step:
 * ``glm5``: GLM-5.3-style, hidden 4096 (``h200-tp*-h4096``). The boundary computes the next
   sublayer's pre-mix itself and finishes the post-mix and Sinkhorn residual mix on a side stream.
 
-The model constants are the presets' (the model packages' ``presets.toml``: hc 4, top_k 8, the
+The model constants are the presets' (the repository's ``presets.toml``: hc 4, top_k 8, the
 epsilons, 20 Sinkhorn rounds); the GEMM shapes (attention projections, per-expert and shared-expert
 MLPs, the LM head) are realistic for these hidden sizes, the expert count and vocabulary are small
 so that the weights fit one GPU and are generated in seconds.
@@ -126,7 +126,7 @@ class StackConfig:
 
 #: DeepSeek-V4.1-style: hidden 5120, 40 query heads / 8 KV heads of 128, 16 experts (top 8) of 1024
 #: and a shared expert of 1024, norm_eps 1e-6 (the public DeepSeek-V4 config's, as in
-#: packages/mhc-dsv41/presets.toml).
+#: the repository's presets.toml).
 DSV41 = StackConfig(
     model="dsv41",
     hidden=5120,

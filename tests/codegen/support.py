@@ -1,6 +1,6 @@
-"""Helpers for the codegen tests: temporary copies of the model packages' presets and src trees.
+"""Helpers for the codegen tests: temporary copies of the presets and of the model packages' src trees.
 
-The models are the registry's (``mhc_core.registry.models()``), each with its own presets file."""
+The models are the registry's (``mhc_core.registry.models()``); their tables are in the root presets.toml."""
 
 from __future__ import annotations
 
@@ -13,12 +13,17 @@ from mhc_core import registry
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = registry.models()
-#: Each model's own presets file (``Model.presets_file`` beside its pyproject.toml).
-PRESETS = {
-    key: ROOT / "packages" / model.distribution / model.presets_file
-    for key, model in MODELS.items()
-    if model.presets_file is not None
-}
+#: The presets files: the repository's root presets.toml (the in-repo models' tables) and each
+#: model's own file where it declares one (``Model.presets_file``: a model kept elsewhere).
+ROOT_PRESETS = ROOT / "presets.toml"
+PRESETS = [
+    ROOT_PRESETS,
+    *(
+        ROOT / "packages" / model.distribution / model.presets_file
+        for model in MODELS.values()
+        if model.presets_file is not None
+    ),
+]
 DISTRIBUTIONS = ("mhc-core", *(model.distribution for model in MODELS.values()))
 #: Where each model's shipped presets go: its package's ``presets/``.
 OUTPUT_DIRS = {
@@ -29,9 +34,9 @@ TEST_OUTPUT_DIRS = {key: Path("tests/presets", key) for key in MODELS}
 
 
 def repo_presets() -> dict[str, Any]:
-    """Every model's tables, ``{key: {name: table}}``, read from the models' own presets files."""
+    """Every model's tables, ``{key: {name: table}}``, read from the presets files."""
     document: dict[str, Any] = {}
-    for path in PRESETS.values():
+    for path in PRESETS:
         with path.open("rb") as stream:
             document |= tomllib.load(stream)
     return document
@@ -72,13 +77,27 @@ def make_root(path: Path, *, with_outputs: bool = True) -> Path:
     """A copy of the packages' src trees under ``path`` (generated presets/ included or not, the test
     presets' folders under tests/presets/ too)."""
     # "presets" matches the generated folders only (mhc_core/presets.py is a module of its own).
-    ignore = shutil.ignore_patterns("__pycache__", *(() if with_outputs else ("presets",)))
+    # kernels: the exported libraries (git-ignored), which codegen never reads.
+    ignore = shutil.ignore_patterns("__pycache__", "kernels", *(() if with_outputs else ("presets",)))
     for distribution in DISTRIBUTIONS:
         source = ROOT / "packages" / distribution / "src"
         shutil.copytree(source, path / "packages" / distribution / "src", ignore=ignore)
     if with_outputs:
         for folder in TEST_OUTPUT_DIRS.values():
             shutil.copytree(ROOT / folder, path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    return path
+
+
+def make_repository(path: Path) -> Path:
+    """A copy of the repository that runs ``python3 -m codegen`` on its own: the packages (their
+    pyproject.toml, which the registry reads, and src trees with the generated modules), codegen/,
+    templates/, the root presets.toml and the test presets."""
+    make_root(path)
+    for distribution in DISTRIBUTIONS:
+        shutil.copy(ROOT / "packages" / distribution / "pyproject.toml", path / "packages" / distribution)
+    for folder in ("codegen", "templates"):
+        shutil.copytree(ROOT / folder, path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT_PRESETS, path / ROOT_PRESETS.name)
     return path
 
 

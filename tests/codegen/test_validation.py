@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from codegen import main
-from tests.codegen.support import make_root, repo_presets, snapshot, write_presets
+from tests.codegen.support import OUTPUT_DIRS, make_root, repo_presets, snapshot, write_presets
 
 DSV = "dsv41.gb300-tp4-h5120"  # explicit geometry: hidden 5120, hc 4, tp 4, 5 x 128 threads, 1 lane
 DSV_DEFAULTS = "dsv41.h200-tp4-h5120"  # geometry left to default_geometry
@@ -27,7 +27,7 @@ DSV_KEYS = (
 GLM_KEYS = (
     "hidden, hc, tp, top_k, cluster_size, cluster_tokens, rms_eps, hc_eps, post_mult, sinkhorn_repeat, "
     "norm_eps, archs, publish_threads, mixes_threads, persistent_min_tokens, tuned, layer_input_format, "
-    "layer_input_bf16, description"
+    "layer_input_bf16, description, threads (derived)"
 )
 
 #: The rule of a float the kernels compute with in FP32 (``mhc_core.presets.require_positive_float``).
@@ -217,6 +217,80 @@ def test_rule(case: str, workdir: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert run_bad(workdir, document, capsys) == [f"error: presets.toml: [{section}] {message}"]
 
 
+# --------------------------------------- issue #48: names, derived values, the key at fault
+
+#: A new table whose name encodes GPU, tp and hidden: ``[dsv41.h200-tp4-h6144]``.
+NAMED = "dsv41.h200-tp4-h6144"
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"tp": 8}, "key 'tp': the name says tp4: tp = 4; got 8"),
+        ({"hidden": 6000}, "key 'hidden': the name says h6144: hidden = 6144; got 6000"),
+        ({"archs": ["sm_100a"]}, "key 'archs': the name's GPU (h200) runs sm_90a, which must be among archs; "
+         "got ('sm_100a',)"),
+    ],
+    ids=["tp", "hidden", "archs"],
+)  # fmt: skip
+def test_name_agrees_with_its_fields(
+    changes: dict[str, Any], message: str, workdir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A table's name states its target; a key that contradicts it is refused, naming that key."""
+    document = repo_presets()
+    model, name = NAMED.split(".")
+    document[model][name] = {**document["dsv41"]["h200-tp4-h5120"], "hidden": 6144, **changes}
+    assert run_bad(workdir, document, capsys) == [f"error: presets.toml: [{NAMED}] {message}"]
+
+
+def test_hc_in_a_name(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    document = repo_presets()
+    apply(document, "dsv41.test-hc8-h5120", {"hc": 4})
+    assert run_bad(workdir, document, capsys) == [
+        "error: presets.toml: [dsv41.test-hc8-h5120] key 'hc': the name says hc8: hc = 8; got 4"
+    ]
+
+
+def test_a_bad_hidden_is_blamed_on_hidden(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """hidden 100000 in a table that leaves the geometry to default_geometry: the rule the derived
+    cluster_size breaks is hidden's fault (the table never wrote cluster_size)."""
+    document = repo_presets()
+    apply(document, DSV_DEFAULTS, {"hidden": 100000})
+    [line] = run_bad(workdir, document, capsys)
+    assert line == (
+        f"error: presets.toml: [{DSV_DEFAULTS}] key 'hidden': the geometry default_geometry(hidden, hc, tp) "
+        "derives for it (cluster_size = 8, threads = 128, rank_lanes = 1; not in the presets file) breaks a rule "
+        "of 'cluster_size': trips x hc must be <= 16 (each trip stages hc residual fragments in shared memory); "
+        "trips = 13, hc = 4; write cluster_size, threads and rank_lanes to choose one; got 100000"
+    )
+
+
+def test_glm_threads_written_must_agree(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """GLM's threads is derived (hidden / 8 / cluster_size * 4): a table may write it; a value the
+    kernels would not launch with is refused with codegen's usual error, naming threads."""
+    document = repo_presets()
+    apply(document, GLM, {"threads": 512})
+    assert run_bad(workdir, document, capsys) == [
+        f"error: presets.toml: [{GLM}] key 'threads': is derived: hidden / 8 / cluster_size * 4 = 256 for this "
+        "table; write that or leave it out; got 512"
+    ]
+
+
+def test_derived_values_written_are_shown_with_their_origin(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every key the design card names (hidden, hc, tp, top_k, cluster size, threads) works in both
+    models' tables; the generated module says where each derived value came from."""
+    document = repo_presets()
+    apply(document, GLM, {"threads": 256})
+    assert {"hidden", "hc", "tp", "top_k", "cluster_size", "threads"} <= set(document["glm5"]["h200-tp4-h4096"])
+    assert {"hidden", "hc", "tp", "top_k", "cluster_size", "threads"} <= set(document["dsv41"]["gb300-tp4-h5120"])
+    presets = write_presets(workdir / "presets.toml", document)
+    assert main(["--presets", str(presets), "--root", str(workdir / "root")]) == 0, capsys.readouterr().err
+    module = (workdir / "root" / OUTPUT_DIRS["glm5"] / "h200_tp4_h4096.py").read_text()
+    assert "\n# threads = 256: derived, hidden / 8 / cluster_size * 4 (written in presets.toml, checked)\n" in module
+    defaulted = (workdir / "root" / OUTPUT_DIRS["dsv41"] / "h200_tp4_h5120.py").read_text()
+    assert "    cluster_size=5,  # not in presets.toml: default_geometry(hidden, hc, tp)\n" in defaulted
+
+
 def test_grouped_shared_memory_rule(workdir: Path, capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
     """The grouped kernels' shared-memory rule. Today's token limits keep every preset within it;
     with 32 tokens on tensor cores allowed, hidden 6144 stages too much."""
@@ -293,7 +367,8 @@ def test_unknown_model(workdir: Path, capsys: pytest.CaptureFixture[str]) -> Non
     document = repo_presets()
     document["llama3"] = {"h200-tp2-h4096": dict(document["glm5"]["h200-tp2-h4096"])}
     assert run_bad(workdir, document, capsys) == [
-        "error: presets.toml: [llama3] unknown model; expected one of dsv41, glm5"
+        "error: presets.toml: [llama3] unknown model: no registered package declares 'llama3'; "
+        "expected one of dsv41, glm5"
     ]
 
 

@@ -25,6 +25,20 @@ layer input, every format, bitwise against the reference quantiser and across ra
 calls of random M with random host-side delays per rank; construction, a call and ``close()`` with
 one rank a second late). Prints one line per case with the wall time of its slowest rank and ends
 with "multigpu: N passed, M failed".
+
+``nox -s multigpu`` runs this runner as a matrix, ``multigpu(tp=2|4|8, mode='gpus'|'procs-per-gpu')``.
+The cases stay hand-written functions here rather than pytest cases collected in each rank, because
+every case is itself a collective over all ranks: (1) a rank whose case fails must still take part
+in the cases' closing collectives (``agree``, the cross-rank bit comparison), or its peers spin in
+the Lamport wait until their spin bound; a pytest failure or skip decided on one rank (an assert, a
+``skipif``, ``-x``, ``-k`` given to one rank) would leave the ranks in different cases. Here every
+rank runs the same list in the same order and a failure is a value that ``agree`` reduces. (2)
+Cases share state a per-rank collection would rebuild per test: one process group, ops built once
+per shape and reused across cases (construction is itself a collective vote), and the GPU kept busy
+between them. (3) The kill mode needs a driver outside torchrun (``tests.multigpu.kill``), which
+tears the job down when a rank dies. (4) The verdict is the slowest rank's wall time per case and
+one "N passed" line for the whole job. The case lists (``SUITES``) and ``--only`` give what
+collection would: a named subset.
 """
 
 from __future__ import annotations

@@ -250,3 +250,34 @@ def test_a_third_model_is_one_package(tmp_path: Path) -> None:
     out = run(installed, "-c", LOOKUP, str(tmp_path / "site"))
     assert out.split()[0] == "None", out  # found through the installed entry point, not a folder
     assert repo_state() == before, "the toy changed files of the repository"
+
+
+def test_an_out_of_tree_model_keeps_its_own_presets_file(tmp_path: Path) -> None:
+    """Issue #48's second acceptance test: an out-of-tree model declares its own presets file
+    (``Model.presets_file``), which codegen reads beside the repository's root presets.toml: a table
+    added there renders into the model's own package. Its tables belong in that file: one put in the
+    root presets.toml instead is refused, naming the file they go in. No DSL needed."""
+    from tests.codegen.support import make_repository
+
+    repository = make_repository(tmp_path / "repository")
+    toy = write_toy(tmp_path / "mhc-toy")
+    presets = toy / "presets.toml"
+    table = '[toy.h200-tp4-h2048]\nhidden = 2048\ntp = 4\narchs = ["sm_90a"]\n'
+    presets.write_text(presets.read_text() + "\n" + table)
+    env = environment(MHC_MODEL_PATH=str(toy))
+    env["PYTHONPATH"] = os.pathsep.join([str(repository / "packages" / "mhc-core" / "src"), str(repository)])
+    out = run(env, "-m", "codegen", cwd=repository)
+    module = toy / "src" / "mhc_toy" / "presets" / "h200_tp4_h2048.py"
+    assert module.is_file(), out
+    assert module.read_text().splitlines()[1].startswith("# in presets.toml. Do not edit"), module.read_text()
+    assert not list((repository / "packages").glob("*/src/*/presets/h200_tp4_h2048.py"))
+    assert "up to date" in run(env, "-m", "codegen", "--check", cwd=repository)
+
+    root = repository / "presets.toml"
+    root.write_text(root.read_text() + "\n" + table.replace("h2048]", "h2048-copy]"))
+    done = subprocess.run([sys.executable, "-m", "codegen"], cwd=repository, env=env, capture_output=True, text=True)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        f"error: presets.toml: [toy] toy ships its own presets file: its tables go there ({presets})",
+        "nothing was written",
+    ]

@@ -71,7 +71,7 @@ def load_object(target: str) -> Any:
 class Model:
     """One model package, as it declares itself; ``module:name`` strings are imported when asked for."""
 
-    #: Short key: presets.toml's ``[<key>.<name>]`` tables, ``tests/<key>/``, ``find_preset(key, ...)``.
+    #: Short key: the presets files' ``[<key>.<name>]`` tables, ``tests/<key>/``, ``find_preset(key, ...)``.
     key: str
     #: Human name, for generated docstrings and reports ("DSV4.1").
     title: str
@@ -82,7 +82,7 @@ class Model:
     preset_type: str
     #: The op class a preset builds.
     op_type: str
-    #: ``(hidden, hc, tp) -> {key: value}`` filling keys a presets.toml table left out, if any.
+    #: ``(hidden, hc, tp) -> {key: value}`` filling keys a presets table left out, if any.
     defaults: str | None = None
     #: The model's torch reference module (rounds where the kernels round).
     reference: str | None = None
@@ -99,7 +99,9 @@ class Model:
     benchmark_case: str | None = None
     #: The modules of device code (the import-layer test keeps host imports out of them).
     device_modules: tuple[str, ...] = ()
-    #: The model's own presets file, relative to its distribution folder (codegen reads it).
+    #: The model's own presets file, relative to its distribution folder (codegen reads it): a model
+    #: kept outside the repository ships its tables so. None: its tables are in the repository's
+    #: root ``presets.toml`` (the in-repo models), or it has no presets.
     presets_file: str | None = None
     dynamic_shared: DynamicShared = _no_dynamic_shared
     #: The distribution folder it was found in (``MHC_MODEL_PATH`` or the checkout), else None.

@@ -1,7 +1,7 @@
 """DSV4.1 presets: the frozen configuration of one model target and its derived launch geometry.
 
 Pure Python (no torch, no DSL): the code generator imports it to validate
-the package's ``presets.toml`` and to render the preset modules.
+the ``[dsv41.<name>]`` tables of the repository's ``presets.toml`` and to render the preset modules.
 
 Geometry (the collective, ``mhc_dsv41.kernel``): one cluster of ``cluster_size``
 CTAs of ``threads`` threads per token; ``rank_lanes`` consecutive threads share a

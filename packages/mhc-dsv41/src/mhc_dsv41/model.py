@@ -24,7 +24,6 @@ MODEL = Model(
     package="mhc_dsv41",
     preset_type="mhc_dsv41.config:DSV41Preset",
     op_type="mhc_dsv41.op:AllReduceMHC",
-    presets_file="presets.toml",  # beside pyproject.toml: the [dsv41.<name>] tables
     defaults="mhc_dsv41.config:default_geometry",
     reference="mhc_dsv41.reference",
     custom_ops="mhc_dsv41.library",

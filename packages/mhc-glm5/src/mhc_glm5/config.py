@@ -1,7 +1,7 @@
 """GLM-5.3-Flash presets: the frozen configuration of one target and its derived launch geometry.
 
 Pure Python (no torch, no DSL): the code generator imports it to validate
-the package's ``presets.toml`` and to render the preset modules.
+the ``[glm5.<name>]`` tables of the repository's ``presets.toml`` and to render the preset modules.
 
 Geometry: one cluster of ``cluster_size`` CTAs per token (or per group of tokens,
 ``cluster_tokens``). A CTA holds ``hidden / 8 / cluster_size`` fragment groups of 4
@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from mhc_core.constants import SUPPORTED_ARCHS, VEC_BF16, WARP_SIZE
 from mhc_core.presets import (
@@ -395,6 +395,10 @@ class GLM5Preset:
     layer_input_format: str = LAYER_INPUT_BF16
     layer_input_bf16: bool = False
     description: str = field(default="", compare=False)
+
+    #: Values the kernels derive from the fields (properties, not fields): a presets table may write
+    #: one, and codegen refuses it unless it equals the rule's value (``codegen.schema``).
+    DERIVED: ClassVar[dict[str, str]] = {"threads": "hidden / 8 / cluster_size * 4"}
 
     def __repr__(self) -> str:
         return preset_repr(self)  # says what tuned=False means

@@ -30,7 +30,6 @@ MODEL = Model(
     package="mhc_glm5",
     preset_type="mhc_glm5.config:GLM5Preset",
     op_type="mhc_glm5.op:AllReduceMhcBoundary",
-    presets_file="presets.toml",  # beside pyproject.toml: the [glm5.<name>] tables
     reference="mhc_glm5.reference",
     custom_ops="mhc_glm5.library",
     benchmark_suites=(
