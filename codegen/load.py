@@ -110,6 +110,23 @@ def _fill_defaults(model: Model, name: str, table: dict[str, Any]) -> dict[str, 
     return filled
 
 
+#: How codegen fills a two-shot crossover a table leaves out (``mhc_core.protocols``).
+CROSSOVER_RULE = "mhc_core.protocols.NVLINK_H200.crossover(tp, hidden)"
+
+
+def _fill_crossover(allowed: list[str], table: dict[str, Any]) -> dict[str, str]:
+    """The cost model's two-shot crossover where the preset class has the field and the table sets none
+    (a measured one is written in the table)."""
+    if "two_shot_min_tokens" not in allowed or "two_shot_min_tokens" in table:
+        return {}
+    if not isinstance(table.get("tp"), int) or not isinstance(table.get("hidden"), int):
+        return {}  # reported by the preset's own checks
+    from mhc_core.protocols import NVLINK_H200
+
+    table["two_shot_min_tokens"] = NVLINK_H200.crossover(table["tp"], table["hidden"]) if table["tp"] > 1 else None
+    return {"two_shot_min_tokens": CROSSOVER_RULE}
+
+
 def _load_preset(model: Model, name: str, table: object, source: str) -> Preset:
     from mhc_core.presets import PresetError
 
@@ -135,8 +152,10 @@ def _load_preset(model: Model, name: str, table: object, source: str) -> Preset:
         rule = f"must be one line of at most {MAX_DESCRIPTION} printable characters (it is rendered on one line)"
         raise CodegenError([f"{where} {_key_error('description', rule, description)}"])
     filled: dict[str, str] = {}
+    geometry: dict[str, str] = {}  # what a broken rule may blame on hidden
     try:
-        filled = _fill_defaults(model, name, table)
+        geometry = _fill_defaults(model, name, table)
+        filled = {**geometry, **_fill_crossover(allowed, table)}
         missing = [key for key in required if key not in table]
         if missing:
             raise CodegenError([f"{where} key {missing[0]!r}: is required; missing"])
@@ -144,7 +163,7 @@ def _load_preset(model: Model, name: str, table: object, source: str) -> Preset:
         check_name(name, value)
         derived = check_derived(preset_type, written, value, Path(model.presets_source).name)
     except PresetError as error:
-        raise CodegenError([f"{where} {_blamed(error, filled, table)}"]) from error
+        raise CodegenError([f"{where} {_blamed(error, geometry, table)}"]) from error
     except (TypeError, ValueError, ArithmeticError) as error:
         raise CodegenError([f"{where} {type(error).__name__}: {error}"]) from error
     from mhc_core.presets import module_name

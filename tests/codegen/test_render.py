@@ -396,6 +396,7 @@ print(json.dumps(out, default=str))
 
 def test_new_preset_is_importable(work: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
     """A table added to a model's presets becomes a module of the package, importable without torch or the DSL."""
+    from mhc_core.protocols import NVLINK_H200
     from mhc_dsv41.config import DSV41Preset
     from mhc_glm5.config import GLM5Preset
 
@@ -426,6 +427,7 @@ def test_new_preset_is_importable(work: tuple[Path, Path], capsys: pytest.Captur
     glm = GLM5Preset(
         name="new-tp8-h2048",
         **{**NEW_GLM, "archs": tuple(NEW_GLM["archs"]), "cluster_tokens": ((32, 2), (128, 8))},
+        two_shot_min_tokens=NVLINK_H200.crossover(8, 2048),  # codegen's: the cost model's (tp 2 has none)
     )
     for preset in (dsv, glm):
         entry = found[preset.name]

@@ -22,12 +22,12 @@ DELETE = object()
 ARCHS = "('sm_90a', 'sm_100a', 'sm_103a')"
 DSV_KEYS = (
     "hidden, hc, tp, top_k, cluster_size, threads, rank_lanes, norm_eps, archs, publish_threads, tuned, "
-    "layer_input_format, layer_input_bf16, description"
+    "layer_input_format, layer_input_bf16, two_shot_min_tokens, description"
 )
 GLM_KEYS = (
     "hidden, hc, tp, top_k, cluster_size, cluster_tokens, rms_eps, hc_eps, post_mult, sinkhorn_repeat, "
     "norm_eps, archs, publish_threads, mixes_threads, persistent_min_tokens, tuned, layer_input_format, "
-    "layer_input_bf16, description, threads (derived)"
+    "layer_input_bf16, two_shot_min_tokens, description, threads (derived)"
 )
 
 #: The rule of a float the kernels compute with in FP32 (``mhc_core.presets.require_positive_float``).
@@ -74,6 +74,7 @@ CASES: dict[str, tuple[str, dict[str, Any], str]] = {
     "dsv-archs-empty": (DSV, {"archs": []}, "key 'archs': must be a non-empty list of arch names; got ()"),
     "dsv-eps-zero": (DSV, {"norm_eps": 0.0}, f"key 'norm_eps': {POSITIVE_FP32}; got 0.0"),
     "dsv-eps-negative": (DSV, {"norm_eps": -1e-6}, f"key 'norm_eps': {POSITIVE_FP32}; got -1e-06"),
+    "dsv-crossover-zero": (DSV, {"two_shot_min_tokens": 0}, "key 'two_shot_min_tokens': must be >= 1; got 0"),
     "dsv-unknown-key": (
         DSV,
         {"rank_lane": 2},

@@ -40,6 +40,7 @@ PRESET = DSV41Preset(
     tuned=False,
     layer_input_format="bf16",
     layer_input_bf16=False,
+    two_shot_min_tokens=29,  # not in presets.toml: mhc_core.protocols.NVLINK_H200.crossover(tp, hidden)
     description="test shape: hidden 7168 on 5 x 128 threads in rank-lane pairs, three trips (the last partial), TP4",
 )
 

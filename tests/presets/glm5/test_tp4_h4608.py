@@ -45,6 +45,7 @@ PRESET = GLM5Preset(
     tuned=False,
     layer_input_format="bf16",
     layer_input_bf16=False,
+    two_shot_min_tokens=45,  # not in presets.toml: mhc_core.protocols.NVLINK_H200.crossover(tp, hidden)
     description="test shape: hidden 4608, not a multiple of the 1024-element publish tile, TP4",
 )
 # threads = 288: derived, hidden / 8 / cluster_size * 4 (not in presets.toml)

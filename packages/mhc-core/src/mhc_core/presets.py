@@ -66,6 +66,13 @@ def require(condition: bool, key: str, rule: str, value: object) -> None:
         raise PresetError(key, rule, value)
 
 
+def require_two_shot_min_tokens(value: object) -> None:
+    """A preset's two-shot crossover (``mhc_core.protocols``): the first M the two-shot serves, or None
+    (the one-shot for every M)."""
+    if value is not None:
+        require_int("two_shot_min_tokens", value, minimum=1, maximum=2**30 - 1)
+
+
 def require_int(key: str, value: object, minimum: int | None = None, maximum: int | None = None) -> None:
     require(isinstance(value, int) and not isinstance(value, bool), key, "must be an integer", value)
     if minimum is not None:

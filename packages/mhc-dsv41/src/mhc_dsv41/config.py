@@ -41,6 +41,7 @@ from mhc_core.presets import (
     require_positive_float,
     require_threads,
     require_tp,
+    require_two_shot_min_tokens,
 )
 from mhc_core.routing import MRangeDispatch
 
@@ -251,6 +252,10 @@ class DSV41Preset(CollectiveGeometry):
     #: written beside an FP8 one: what an op built from the preset returns, and its collectives' configs.
     layer_input_format: str = LAYER_INPUT_BF16
     layer_input_bf16: bool = False
+    #: Calls of at least this many tokens take the two-shot all-reduce (``mhc_core.protocols``); None:
+    #: the one-shot for every M. Measured where the preset's host was lent, else the cost model's
+    #: (codegen fills it: ``NVLINK_H200.crossover(tp, hidden)``).
+    two_shot_min_tokens: int | None = None
     description: str = field(default="", compare=False)
 
     def __repr__(self) -> str:
@@ -258,6 +263,7 @@ class DSV41Preset(CollectiveGeometry):
 
     def __post_init__(self) -> None:
         require_name(self.name)
+        require_two_shot_min_tokens(self.two_shot_min_tokens)
         require_hidden(self.hidden)
         require_int("hc", self.hc, minimum=1, maximum=16)
         require_tp(self.tp)

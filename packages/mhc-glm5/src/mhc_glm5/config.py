@@ -50,6 +50,7 @@ from mhc_core.presets import (
     require_positive_float,
     require_threads,
     require_tp,
+    require_two_shot_min_tokens,
 )
 from mhc_core.routing import MRangeDispatch
 
@@ -394,6 +395,10 @@ class GLM5Preset:
     #: quantised at the norm's store; ``layer_input_bf16``: the BF16 copy beside the FP8 one.
     layer_input_format: str = LAYER_INPUT_BF16
     layer_input_bf16: bool = False
+    #: Calls of at least this many tokens take the two-shot all-reduce (``mhc_core.protocols``); None:
+    #: the one-shot for every M. Measured where the preset's host was lent, else the cost model's
+    #: (codegen fills it: ``NVLINK_H200.crossover(tp, hidden)``).
+    two_shot_min_tokens: int | None = None
     description: str = field(default="", compare=False)
 
     #: Values the kernels derive from the fields (properties, not fields): a presets table may write
@@ -405,6 +410,7 @@ class GLM5Preset:
 
     def __post_init__(self) -> None:
         require_name(self.name)
+        require_two_shot_min_tokens(self.two_shot_min_tokens)
         require_hidden(self.hidden)
         require(self.hc == HC, "hc", f"must be {HC} (one lane per residual stream in the GLM kernels)", self.hc)
         require_tp(self.tp)

@@ -40,6 +40,7 @@ PRESET = DSV41Preset(
     tuned=False,
     layer_input_format="bf16",
     layer_input_bf16=False,
+    two_shot_min_tokens=12,  # not in presets.toml: mhc_core.protocols.NVLINK_H200.crossover(tp, hidden)
     description="GB300, TP8: the seed's LL_ALL_REDUCE_GB300_TP8_H5120 geometry",
 )
 

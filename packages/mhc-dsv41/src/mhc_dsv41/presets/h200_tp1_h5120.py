@@ -40,6 +40,7 @@ PRESET = DSV41Preset(
     tuned=True,
     layer_input_format="bf16",
     layer_input_bf16=False,
+    two_shot_min_tokens=None,  # not in presets.toml: mhc_core.protocols.NVLINK_H200.crossover(tp, hidden)
     description="H200, TP1 (no peers: the publish stores to the own mailbox only)",
 )
 

@@ -40,6 +40,7 @@ PRESET = DSV41Preset(
     tuned=False,
     layer_input_format="bf16",
     layer_input_bf16=False,
+    two_shot_min_tokens=41,  # not in presets.toml: mhc_core.protocols.NVLINK_H200.crossover(tp, hidden)
     description="H200, TP4",
 )
 
