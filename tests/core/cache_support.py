@@ -274,7 +274,7 @@ def fake_native(patch: Any = None, *, template: Path | None = None, fake_load: b
     setattr_(native, "PACKAGED", Path("/nonexistent/libmhc_host.so"))
     setattr_(native, "build", build)
     if fake_load:
-        setattr_(native, "_load", lambda path: f"loaded {path}")
+        setattr_(native, "_load", lambda path, *recorded, **_: f"loaded {path}")
     return built
 
 
