@@ -227,6 +227,7 @@ def _load_cached(target: Path) -> Any | None:
 
 def _build_cached(target: Path) -> tuple[Path, int, str]:
     """Build ``target`` (its lock held) and record its size and sha256 beside it."""
+    cache_files.clear_way(target)  # a folder planted at the name would refuse the build's rename for good
     build(target)
     return record(target)
 
