@@ -1,5 +1,6 @@
 """Wheel build hook: the host library (``src/mhc_core/host/native/libmhc_host.so``, the ops' per-call
-path in C++) is built from ``executor.cc`` and packed, and the wheel is tagged for this platform (an
+path in C++) is built from ``executor.cc`` and packed with its record (``libmhc_host.json``: the
+source digest, size and sha256 checked before it is loaded), and the wheel is tagged for this platform (an
 x86-64 ELF library that needs no particular Python ABI: py3-none-<platform>; ``nox -s build`` then
 retags it with the manylinux tag auditwheel finds its library satisfies). Building needs a C++
 compiler and apache-tvm-ffi's headers (a build requirement). Editable installs build nothing: the
@@ -27,8 +28,10 @@ class NativeHook(BuildHookInterface):  # type: ignore[misc]
         finally:
             sys.path.pop(0)
         target = Path(self.root) / NATIVE / "libmhc_host.so"
-        if not target.exists() or native.library_digest(target) != native.digest():
-            native.build(target)
+        # Its record (libmhc_host.json: source digest, size, sha256) ships beside it: a library
+        # truncated or replaced after install is refused before dlopen maps it.
+        if native.recorded_digest(target) != native.digest():
+            native.record(native.build(target))
         build_data["pure_python"] = False
         build_data["tag"] = "py3-none-" + sysconfig.get_platform().replace("-", "_").replace(".", "_")
-        build_data["artifacts"].append(f"{NATIVE.as_posix()}/libmhc_host.so")
+        build_data["artifacts"] += [f"{NATIVE.as_posix()}/libmhc_host.so", f"{NATIVE.as_posix()}/libmhc_host.json"]

@@ -32,6 +32,9 @@ MARKER_ENV = "MHC_TEST_MARKER"
 OTHER_UID = 65534  # nobody
 #: Seconds the stand-in compile takes (the 8-process test widens the window every rank misses in).
 COMPILE_SECONDS_ENV = "MHC_TEST_COMPILE_SECONDS"
+#: Seconds the stand-in export sleeps once its object is written in the scratch folder (a kill
+#: there leaves the folder behind).
+EXPORT_SECONDS_ENV = "MHC_TEST_EXPORT_SECONDS"
 
 STUB_C = r"""
 #include <fcntl.h>
@@ -84,6 +87,7 @@ class FakeCompiled:
 
     def export_to_c(self, path: str, function_name: str, export_only_tvm_ffi_symbols: bool = True) -> None:
         stub_object(Path(path), function_name)
+        time.sleep(float(os.environ.get(EXPORT_SECONDS_ENV, "0")))
 
 
 COMPILES: list[str] = []
@@ -192,12 +196,36 @@ def _barrier(ready: Path, go: Path) -> None:
         time.sleep(0.005)
 
 
+def swap_after_hashing(signals: Path) -> None:
+    """An attacker's best moment: right after this process has read a library's sha256 (the first
+    ``cache_files.digest_of``), it says ``hashed`` in ``signals`` and waits until the test has
+    replaced the file and says ``swapped``."""
+    from mhc_core.host import cache_files
+
+    digest_of = cache_files.digest_of
+
+    def hashed_then_wait(descriptor: int) -> tuple[int, str]:
+        result = digest_of(descriptor)
+        if not (signals / "hashed").exists():
+            (signals / "hashed").touch()
+            deadline = time.monotonic() + 60
+            while not (signals / "swapped").exists():
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the test never swapped the library")
+                time.sleep(0.005)
+        return result
+
+    cache_files.digest_of = hashed_then_wait
+
+
 def build_op_kernel(args: argparse.Namespace) -> dict[str, Any]:
     """What an op's construction does for one kernel: ``compile_kernel(..., persist=True)``."""
     from mhc_core.host import compiler
 
     real_compile = compiler._compile
     install_fakes()
+    if args.swap_signals:
+        swap_after_hashing(Path(args.swap_signals))
     if args.no_compiler:  # the real compile, on a host without the DSL compiler
         compiler._compile = real_compile
         sys.modules["cutlass"] = None  # type: ignore[assignment]
@@ -274,7 +302,7 @@ def fake_native(patch: Any = None, *, template: Path | None = None, fake_load: b
     setattr_(native, "PACKAGED", Path("/nonexistent/libmhc_host.so"))
     setattr_(native, "build", build)
     if fake_load:
-        setattr_(native, "_load", lambda path: f"loaded {path}")
+        setattr_(native, "_load", lambda path, *recorded, **_: f"loaded {path}")
     return built
 
 
@@ -283,10 +311,17 @@ def load_host_library(args: argparse.Namespace) -> dict[str, Any]:
     from mhc_core.host import native
 
     built = fake_native(template=Path(args.template) if args.template else None, fake_load=args.fake_load)
+    if args.packaged:  # an installed library (and its record) where the test put them
+        native.PACKAGED = Path(args.packaged)
+    if args.swap_signals:
+        swap_after_hashing(Path(args.swap_signals))
     if args.ready:
         _barrier(Path(args.ready), Path(args.go))
+    module = None
     with contextlib.suppress(BuildCalled):
-        native.library()
+        module = native.library()
+    if args.check_digest:  # a real library was loaded: it answers with this source's digest
+        return {"builds": len(built), "current": module is not None and module["source_digest"]() == native.digest()}
     return {"builds": len(built)}
 
 
@@ -300,6 +335,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--no-compiler", action="store_true")
     parser.add_argument("--fake-load", action="store_true")
+    parser.add_argument("--packaged")
+    parser.add_argument("--swap-signals")
+    parser.add_argument("--check-digest", action="store_true")
     args = parser.parse_args()
     capture_warnings()
     if args.mode == "build":

@@ -371,6 +371,21 @@ def test_spin_bounds_from_the_environment_name_the_variable(monkeypatch: pytest.
 
 
 @pytest.mark.usefixtures("no_build")
+def test_a_negative_zero_spin_bound_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MHC_SPIN_TIMEOUT_MS=-0 (or spin_timeout_ms=-0.0) turned the bound and the M check off in
+    silence: it is a negative value, refused as -5 is; only 0 means off (issue #52, row 14)."""
+    for raw in ("-0", "-0.0", "-0e3"):
+        monkeypatch.setenv("MHC_SPIN_TIMEOUT_MS", raw)
+        refused("core", ValueError, f"MHC_SPIN_TIMEOUT_MS: {SPIN_RANGE}, got -0.0")
+    monkeypatch.delenv("MHC_SPIN_TIMEOUT_MS")
+    for family in ("core", "dsv41", "glm5"):
+        refused(family, ValueError, f"spin_timeout_ms: {SPIN_RANGE}, got -0.0", spin_timeout_ms=-0.0)
+    monkeypatch.setenv("MHC_SPIN_TIMEOUT_MS", "0")
+    with pytest.raises(BuildStarted):
+        op_type("core")[0](**GOOD_CORE)
+
+
+@pytest.mark.usefixtures("no_build")
 def test_top_k_beyond_what_the_finalize_publish_compiles_is_refused() -> None:
     """At top_k = 512 the finalize publish took 66 s to compile (its routes are unrolled)."""
     for family in ("core", "dsv41", "glm5"):

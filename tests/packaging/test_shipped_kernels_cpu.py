@@ -55,7 +55,9 @@ from mhc_core.host import artifacts
 manifest = artifacts.manifests()[0]
 entry = json.loads(manifest.read_text())["kernels"][0]
 key = artifacts.KernelKey(**{field: entry[field] for field in artifacts.KernelKey.__dataclass_fields__})
-function = artifacts.load(key, manifest.parent / json.loads(manifest.read_text())["library"])
+found = artifacts.lookup(key)
+assert found is not None and found.library == manifest.parent / json.loads(manifest.read_text())["library"], found
+function = artifacts.load(key, found)
 assert type(function).__name__ == "Function", type(function)
 assert not any(name.split(".")[0] == "cutlass" for name in sys.modules), "the DSL compiler was imported"
 print("loaded")

@@ -19,24 +19,27 @@ nothing is persisted.
 
 The cache is one that eight ranks and a shared machine can trust (``mhc_core.host.cache_files``):
 its folders are created 0700 and used only while this user owns them and nobody else can write
-them, its files likewise and never through a symbolic link; every file is written under a unique
-temporary name and renamed into place; a library's size and sha256 are compared with its sidecar
-before ``dlopen`` maps it; a lock per kernel (``<symbol>.lock``) lets the ranks that miss a kernel
-compile it once (``compiler.compile_kernel``): the others wait, then load it. A corrupt, truncated
-or foreign sidecar or library is skipped with one warning naming it, then compiled again and
-rewritten (without the compiler: an error naming it); an unsafe cache is not used (one warning
-says why): kernels are then compiled in the process and not persisted.
+them or swap a folder above them, its files likewise and never through a symbolic link; every file
+is written under a unique temporary name and renamed into place; a library's size and sha256 are
+compared with its sidecar on the descriptor ``dlopen`` then maps (``mhc_core.host.verified``); a
+lock per kernel (``<symbol>.lock``) lets the ranks that miss a kernel compile it once
+(``compiler.compile_kernel``): the others wait, then load it; a holder stuck longer than
+``MHC_CACHE_LOCK_TIMEOUT_S`` is named, and the waiter compiles for itself without persisting. A
+corrupt, truncated or foreign sidecar or library is skipped with one warning naming it, then
+compiled again and rewritten (without the compiler: an error naming it); an unsafe cache is not
+used (one warning says why): kernels are then compiled in the process and not persisted.
 
 ``tools.export_kernels`` writes, per model package and arch, ``<package>/kernels/<arch>/`` with
 one ``lib<package>_<arch>.so`` (every preset kernel of that arch, TVM-FFI entry points only) and a
 ``manifest.json`` listing each kernel's key, symbol and signature (what the host binds its
 arguments by: ``mhc_core.device.signature.to_json``), the library's size and sha256 (checked once
-per process before it is loaded; a manifest from before they were recorded is trusted as
-installed), and per kernel module the modules its source hash covers (``sources``: their names,
-each one's normal form's and raw text's sha256; a process whose texts match them parses none).
+per process, on the descriptor that is then loaded; a manifest without them, from before they
+were recorded, loads nothing: its kernels are compiled), and per kernel module the modules its
+source hash covers (``sources``: their names, each one's normal form's and raw text's sha256; a
+process whose texts match them parses none).
 ``lookup`` finds a key in the manifests of the installed model packages; a manifest that does not
-parse or validate is skipped with one warning naming it, and the other packages' manifests still
-count. ``load`` opens the library through
+parse or validate, or of a format this mhc-core does not read, is skipped with one warning naming
+it, and the other packages' manifests still count. ``load`` opens the library through
 ``tvm_ffi`` alone. Loading needs the DSL's runtime library (``libcute_dsl_runtime.so``, in
 the DSL's libs package), which ``load`` maps first, and never the compiler. A different DSL
 release, arch, convention or source is a different key: a stale or foreign library is never loaded.
@@ -67,7 +70,7 @@ from typing import Any
 from .. import registry
 from ..device.kernel import KernelSpec
 from ..device.signature import Signature, from_json, to_json
-from . import cache_files
+from . import cache_files, verified
 from .source_form import normal_form
 
 
@@ -83,7 +86,7 @@ def project_packages() -> tuple[str, ...]:
 
 MANIFEST = "manifest.json"
 #: 2: every kernel's entry carries its signature (1: keys only); the library's ``size`` and
-#: ``sha256`` are optional fields of format 2 (an older mhc-core ignores them, a newer one checks them).
+#: ``sha256`` are fields of format 2 an older mhc-core ignores; this one loads nothing without them.
 FORMAT = 2
 #: Set to 0 to ignore shipped and cached kernels (every kernel is then compiled, nothing persisted).
 PREBUILT_ENV = "MHC_PREBUILT"
@@ -277,12 +280,14 @@ def kernel_key(kernel: Any, arch: str, convention: str) -> KernelKey:
 @dataclass(frozen=True)
 class Found:
     """A kernel's library (shipped or cached), its signature, and the library's size and sha256 as
-    recorded when it was written (None: a manifest from before they were recorded)."""
+    recorded when it was written (None: a manifest from before they were recorded: not loaded).
+    ``cached``: a file of the on-disk cache (this user's alone), else an installed one."""
 
     library: Path
     signature: Signature
     size: int | None = None
     sha256: str | None = None
+    cached: bool = False
 
 
 class _Invalid(ValueError):
@@ -405,7 +410,7 @@ def _read_payload(path: Path) -> dict[str, Any] | None:
         if not isinstance(payload, dict) or "format" not in payload:
             raise _Invalid("it is not a manifest")
         if payload["format"] != FORMAT:
-            return None
+            raise _Invalid(f"it has format {payload['format']!r}; this mhc-core reads format {FORMAT}")
         _check_manifest(payload)
     except FileNotFoundError:
         return None
@@ -480,24 +485,22 @@ def _recorded_sources() -> dict[str, list[RecordedSources]]:
     return recorded
 
 
-@functools.cache
-def _shipped_problem(library: Path, size: int | None, sha256: str | None) -> str | None:
-    """Why an installed library is not the one its manifest recorded (checked once per process)."""
-    if size is None or sha256 is None:
-        return None  # a manifest from before sizes were recorded: trusted as installed
-    return cache_files.library_problem(library, size, sha256, owned=False)
-
-
 def lookup(key: KernelKey) -> Found | None:
-    """The library that exports ``key``'s kernel (and its signature), or None (then it is compiled)."""
+    """The library that exports ``key``'s kernel (and its signature), or None (then it is compiled).
+    The library is checked against its manifest's size and sha256 (once per process: ``verified``)."""
     if not enabled():
         return None
     found = _index().get(key.symbol)
     if found is None:
         return None
-    problem = _shipped_problem(found.library, found.size, found.sha256)
-    if problem is not None:
-        _skip(key, "the shipped kernels", found.library, problem)
+    if found.size is None or found.sha256 is None:
+        reason = "its manifest records no size and sha256 of it (export the kernels again): it is not loaded"
+        _skip(key, "the shipped kernels", found.library, reason)
+        return None
+    try:
+        verified.checked(found.library, found.size, found.sha256, owned=False)
+    except cache_files.UnsafeCache as error:
+        _skip(key, "the shipped kernels", found.library, error.reason)
         return None
     return found
 
@@ -561,10 +564,10 @@ def cached(key: KernelKey) -> Found | None:
     except Exception as error:  # JSON, a missing field, a wrong type
         _skip(key, _CACHE_NAME, sidecar, _reason(error))
         return None
-    assert found.size is not None and found.sha256 is not None
-    problem = cache_files.library_problem(library, found.size, found.sha256)
-    if problem is not None:
-        _skip(key, _CACHE_NAME, library, problem)
+    try:
+        verified.checked(library, found.size, found.sha256, owned=True)
+    except cache_files.UnsafeCache as error:
+        _skip(key, _CACHE_NAME, library, error.reason)
         return None
     return found
 
@@ -581,7 +584,7 @@ def _sidecar_entry(key: KernelKey, library: Path, entry: Any) -> Found:
         raise _Invalid(f"it records another key than {key.symbol}'s")
     if not _is_digest(entry.get("size"), entry.get("sha256")):
         raise _Invalid("it records no size and sha256 of its library")
-    return Found(library, from_json(entry["signature"]), entry["size"], entry["sha256"])
+    return Found(library, from_json(entry["signature"]), entry["size"], entry["sha256"], cached=True)
 
 
 @contextlib.contextmanager
@@ -650,7 +653,6 @@ def persist(key: KernelKey, compiled: Any, signature: Signature) -> Path | None:
     signature, size and sha256 (last: a library without one is never loaded). Its path, or None
     where it cannot be (no ``cc``, an unsafe or read-only cache, ``MHC_PREBUILT=0``)."""
     import shutil
-    import tempfile
 
     folder = _folder(key.arch, create=True)
     if folder is None or shutil.which("cc") is None:
@@ -658,13 +660,14 @@ def persist(key: KernelKey, compiled: Any, signature: Signature) -> Path | None:
     target = folder / f"{key.symbol}.so"
     try:
         load_runtime_globally()
-        with tempfile.TemporaryDirectory(prefix="mhc-cache-", dir=folder) as scratch:  # a unique name, 0700
+        with cache_files.scratch(folder, "mhc-cache-") as scratch:  # a unique name, 0700, with our pid
             obj = str(Path(scratch, f"{key.symbol}.o"))
             compiled.export_to_c(obj, function_name=key.symbol, export_only_tvm_ffi_symbols=True)
             partial = Path(scratch, f"{key.symbol}.so")
             link([obj], partial)
             os.chmod(partial, 0o700)  # under a umask of 002 it would be group-writable: never loaded
             size, sha256 = cache_files.file_digest(partial)
+            cache_files.clear_way(target)  # a folder there would refuse every rename, for good
             os.replace(partial, target)  # atomic: a concurrent process sees all of it or nothing
         entry = key.as_dict() | {
             "format": CACHE_FORMAT, "symbol": key.symbol, "signature": to_json(signature), "size": size,
@@ -737,18 +740,20 @@ def missing_runtime_message(driver_major: int | None = None) -> str:
 
 
 @functools.cache
-def _module(library: Path) -> Any:
+def _module(library: Path, size: int | None = None, sha256: str | None = None, cached: bool = False) -> Any:
     driver_major = driver_cuda_major()
     runtime = runtime_library(driver_major)
     if runtime is None:
         raise MissingRuntime(missing_runtime_message(driver_major))
     # Satisfies the library's NEEDED entry by soname; libtvm_ffi is global once tvm_ffi is imported.
     ctypes.CDLL(str(runtime), mode=ctypes.RTLD_GLOBAL)
-    import tvm_ffi
+    import tvm_ffi  # noqa: F401  (its import makes libtvm_ffi global)
 
-    return tvm_ffi.load_module(str(library))
+    # The descriptor ``lookup`` or ``cached`` checked: what is mapped is what was hashed.
+    return verified.load(library, size, sha256, owned=cached)
 
 
-def load(key: KernelKey, library: Path) -> Any:
-    """``key``'s TVM-FFI entry point from ``library`` (no compile, no DSL compiler import)."""
-    return _module(library)[key.symbol]
+def load(key: KernelKey, found: Found) -> Any:
+    """``key``'s TVM-FFI entry point from ``found``'s library (no compile, no DSL compiler import),
+    once its size and sha256 are the recorded ones (see ``verified``)."""
+    return _module(found.library, found.size, found.sha256, found.cached)[key.symbol]

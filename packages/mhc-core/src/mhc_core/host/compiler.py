@@ -276,7 +276,7 @@ def _load_shipped(spec: KernelSpec, arch: str) -> CompiledKernel | None:
         return None
     start = time.perf_counter()
     try:
-        function = artifacts.load(full_key, found.library)
+        function = artifacts.load(full_key, found)
     except artifacts.MissingRuntime:
         raise  # no runtime means no DSL either (the compiler's package brings one): nothing to fall back on
     except Exception as error:  # a broken install: say so, and compile instead

@@ -32,13 +32,15 @@ process group): a dead or desynchronised peer turns into an error instead of a G
 that spins forever, and no legitimately slow peer (another rank compiling, a long
 prefill) gets near it. A bound costs one timer read per empty poll round (measured:
 BENCHMARKS.md). ``spin_timeout_ms=0`` or ``MHC_SPIN_TIMEOUT_MS=0`` turns it off;
-``spin_timeout_ms=`` or ``MHC_SPIN_TIMEOUT_MS`` sets another. Every rank must use
+``spin_timeout_ms=`` or ``MHC_SPIN_TIMEOUT_MS`` sets another (``-0`` is refused like any
+negative value: only 0 means off). Every rank must use
 the same setting (the M check writes and reads a header only when it is on).
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import threading
 
@@ -116,7 +118,7 @@ def resolve_timeout_ms(spin_timeout_ms: float | None) -> float | None:
             raise ValueError(f"{SPIN_TIMEOUT_ENV}: expected {_SPIN_RANGE}, got {raw!r}") from None
     if isinstance(spin_timeout_ms, bool) or not isinstance(spin_timeout_ms, (int, float)):
         raise TypeError(f"{source}: expected a float or None, got {type(spin_timeout_ms).__name__}")
-    if spin_timeout_ms == 0:
+    if spin_timeout_ms == 0 and math.copysign(1.0, spin_timeout_ms) > 0:  # -0 is a negative value, not "off"
         return None
     if not MIN_SPIN_TIMEOUT_MS <= spin_timeout_ms <= MAX_SPIN_TIMEOUT_MS:  # nan compares false
         raise ValueError(f"{source}: expected {_SPIN_RANGE}, got {spin_timeout_ms}")
