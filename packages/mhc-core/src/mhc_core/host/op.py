@@ -57,6 +57,7 @@ Modules, one job each (``LamportOp`` composes them; none names a model's attribu
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import time
 from typing import Any
@@ -102,6 +103,8 @@ __all__ = [
     "Programs",
 ]
 
+#: Creation serials of the ops' locks (``LamportOp._lock_serial``); ``next`` on it is atomic.
+_LOCK_SERIALS = itertools.count()
 WEIGHT_TORCH_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 #: The most tokens a call can take: a publish encodes M as ``2 M + 1`` in a mailbox header word
 #: that must never read as the -0 sentinel (``mhc_core.device.protocol.encode_count``).
@@ -200,6 +203,9 @@ class LamportOp(CallForms, EagerCalls, TwoPhaseCalls, WarmUp, Lifetime, ModelOp)
         """The host state every call path shares (see the module docstring, "Threads", "Exceptions")."""
         #: Held by every public call path: one op's calls are atomic with respect to each other.
         self._lock = threading.RLock()
+        #: Where this op's lock comes when a call takes several ops' locks (``groups.run_ranks``):
+        #: by creation, one order for the whole process.
+        self._lock_serial = next(_LOCK_SERIALS)
         #: True from right before a call's native launch until the call path resets it: an exception
         #: while it is set may come after the launch (``_call_failed`` then poisons the op).
         self._in_launch = False
