@@ -211,6 +211,8 @@ class LamportOp(CallForms, EagerCalls, TwoPhaseCalls, WarmUp, Lifetime, ModelOp)
         self._in_launch = False
         #: Why the op poisoned itself on the host (``OpPoisonedError``), or None.
         self._poisoned: str | None = None
+        #: The steps of ``close()`` done so far (``Lifetime._release``).
+        self._close_done: set[str] = set()
 
     def _build_publishes(self) -> None:
         """After every argument is validated: the arch, the spin guard, the publish kernels."""
