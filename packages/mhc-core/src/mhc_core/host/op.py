@@ -113,6 +113,9 @@ MAX_NUM_TOKENS = 2**30 - 1
 #: (at most 65 535): 65 536 keeps every geometry (down to 32 threads and 8 lanes: 2 048 CTAs) far
 #: inside it, and is four times the largest hidden size of a public model (16 384).
 MAX_HIDDEN = 65536
+#: The spin bound of a process group's warm-up at construction, in ms: the ranks are all past the
+#: ``mapped`` vote, so a peer that has not published within it failed (``LamportOp._warm_up``).
+WARMUP_SPIN_TIMEOUT_MS = 20_000.0
 
 
 class LamportOp(CallForms, EagerCalls, TwoPhaseCalls, WarmUp, Lifetime, ModelOp):
@@ -272,14 +275,39 @@ class LamportOp(CallForms, EagerCalls, TwoPhaseCalls, WarmUp, Lifetime, ModelOp)
         self._programs = self._build_programs()
         self._phase("programs")
         startup.vote("mapped", {}, device=self.device)  # every rank can launch: none warms up alone
-        with torch.cuda.device(self.device):
-            self.group.complete_construction(self)
-        self.spin.check()  # a warm-up that timed out fails here, and the vote below tells every peer
-        startup.vote("ready", {}, device=self.device)
+        # A warm-up that failed (here, or timed out waiting for a peer that failed) is cast in the
+        # vote: every rank raises StartupError naming each failed rank and its error.
+        failure = self._warm_up()
+        if failure is not None and self.group.kind != "process_group":
+            raise failure  # one process: no peer waits in the vote
+        startup.vote("ready", {}, device=self.device, error=failure)
         startup.end()
         self._phase("warm_up")
         phases = ", ".join(f"{name} {seconds:.3f}" for name, seconds in self.construction_seconds.items())
         LOG.info("built %s in %.3f s (%s)", self, sum(self.construction_seconds.values()), phases)
+
+    def _warm_up(self) -> Exception | None:
+        """The group's warm-up of this op (``complete_construction``); what stopped it, or None. A
+        process group's ranks warm up with a short spin bound of their own
+        (``WARMUP_SPIN_TIMEOUT_MS``, or the op's if shorter): a peer that failed after the
+        ``mapped`` vote never publishes, and the kernels waiting for it give up within seconds,
+        not after the op's bound. With the bound off, the warm-up has none either (the M check
+        follows the bound: it must be on on every rank's kernels alike)."""
+        spin, programs = self.spin, self._programs
+        bound = (spin.limit_ns, spin.timeout_ms)
+        try:
+            if self.group.kind == "process_group" and spin.timeout_ms and spin.timeout_ms > WARMUP_SPIN_TIMEOUT_MS:
+                spin.limit_ns, spin.timeout_ms = int(WARMUP_SPIN_TIMEOUT_MS * 1e6), WARMUP_SPIN_TIMEOUT_MS
+                self._programs = self._build_programs()  # the same kernels, the short bound
+            with torch.cuda.device(self.device):
+                self.group.complete_construction(self)
+            spin.check()  # a warm-up that timed out raises here, naming the ranks that never published
+        except Exception as error:
+            return error
+        finally:
+            spin.limit_ns, spin.timeout_ms = bound
+            self._programs = programs
+        return None
 
     def _fingerprint(self) -> dict[str, Any]:
         """What every rank's op must agree on before anything is allocated (the ``config`` vote)."""
