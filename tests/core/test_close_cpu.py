@@ -4,6 +4,8 @@ manager. The device side (memory given back) runs on the GPU: tests/core/test_cl
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -31,6 +33,7 @@ def built_op(monkeypatch: pytest.MonkeyPatch):
     instance = LamportAllReduce.__new__(LamportAllReduce)
     instance.device, instance.group, instance._closed = torch.device("cuda", 0), Group(), False
     instance._init_call_state()  # the lock and the launch marker every call path uses
+    instance._order = SimpleNamespace(follow=lambda: None)  # nothing to order on the CPU
     instance.mailbox = type("Mailbox", (), {"stage_state": torch.zeros(4, dtype=torch.int32)})()
     instance._programs = object()
     instance.handle = library.register(instance)

@@ -495,6 +495,8 @@ class FakeOp:
     """Stands for ``LamportAllReduce`` in ``lamport_all_reduce``: records how it was built and closed.
     Like no real op, it does not hold its group (so a dropped group's ``id`` can come back)."""
 
+    tp = 1  # no peers: a growth signals and votes nothing
+
     def __init__(self, *, group: Any, **arguments: Any) -> None:
         self.arguments = arguments
         self.capacity = arguments["max_num_tokens"]
@@ -572,7 +574,7 @@ def test_a_larger_m_closes_the_op_it_replaces() -> None:
 
     small = lamport_all_reduce(tokens(2))
     large = lamport_all_reduce(tokens(4))
-    assert large is not small and large.capacity == 4
+    assert large is not small and large.capacity == 4 + 1  # one row more: the growth signal's M
     assert small.closed, "the op it replaced was dropped without close()"
     assert lamport_all_reduce(tokens(3)) is large
     from mhc_core import close_lamport_all_reduce

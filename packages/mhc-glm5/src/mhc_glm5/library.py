@@ -278,12 +278,10 @@ def boundary(
     ``MoEOutput``): ``(residual_out, layer_input)``, or with an FP8 layer input ``(residual_out, q,
     scales[, layer_input])``; ``join`` gives ``(post_out, comb_out)``."""
     if library.eager(op, residual):  # the op's own call (``mhc_core.host.library.eager``)
-        lock = op._lock  # the call and the hand-over of its side outputs, as the custom op
-        lock.acquire()  # not `with`: half the cost
-        try:
+        # The call and the hand-over of its side outputs, as the custom op. `with`: an interrupt as
+        # acquire() returns would otherwise leave the lock held (``mhc_core.host.eager._call``).
+        with op._lock:
             return _fused(op.handle, op(x, residual, post, comb, fn, scale, base, norm_weight))
-        finally:
-            lock.release()
     fmt = _layer_input(op)
     if fmt.quantizes:
         if isinstance(x, MoEOutput):
@@ -334,10 +332,6 @@ def collect(
 def join(op: AllReduceMhcBoundary, residual_out: Tensor) -> tuple[Tensor, Tensor]:
     """``(post_out, comb_out)`` of the op's last boundary call, once the current stream waits for them."""
     if library.eager(op, residual_out):
-        lock = op._lock
-        lock.acquire()
-        try:
+        with op._lock:
             return _joined(op.handle, op)
-        finally:
-            lock.release()
     return torch.ops.mhc.glm5_join(op.state, op.handle, residual_out)

@@ -284,17 +284,13 @@ class AllReduceMhcBoundary(LamportOp):
         """Make the current stream wait for the last mixes kernel (post_out / comb_out complete).
         Inside a CUDA-graph capture, call it before the capture ends. Holds the op's lock, like a
         call; it also works on an op that poisoned itself (its side work may still run)."""
-        lock = self._lock
-        lock.acquire()  # not `with`: half the cost on this hot path
-        try:
-            if self._closed:  # close() synchronised the device already
+        with self._lock:  # `with`: see ``mhc_core.host.eager._call``
+            if self._side_work is None:  # closed: close() synchronised the device already
                 return
             # Even when this op's side work was joined: from another stream than the call's, it
             # has not been waited for there (``SideWork``).
             stream, capture = self._order.current()
             self._side_work.join(stream, capture)
-        finally:
-            lock.release()
 
     @property
     def side_stream(self) -> torch.cuda.Stream:

@@ -137,11 +137,22 @@ class IpcAllocator:
     def allocate(self, group: Any, startup: Any, elements: int, device: torch.device) -> MailboxMemory:
         from .cuda_ipc import DeviceAllocation, PeerMapping
 
-        allocation = DeviceAllocation(elements * 2, device)
+        nbytes = elements * 2
+        allocation = DeviceAllocation(nbytes, device)
         local = fill_sentinel(allocation.tensor(torch.bfloat16, elements))
         torch.cuda.synchronize(device)  # filled before any peer can store into it
-        handles = startup.vote("allocated", {}, facts=allocation.handle(), device=device)
+        # The size every rank computed from the voted configuration is compared too; then each
+        # mapping is held to it: a handle to a smaller allocation (a foreign build, a bug) would
+        # let this rank's kernels store past a peer's mailbox.
+        handles = startup.vote("allocated", {"mailbox_bytes": nbytes}, facts=allocation.handle(), device=device)
         mappings = [None if rank == group.rank else PeerMapping(handle, device) for rank, handle in enumerate(handles)]
+        for rank, mapping in enumerate(mappings):
+            if mapping is not None and mapping.nbytes < nbytes:
+                raise ValueError(
+                    f"mailbox_allocation='ipc': rank {rank}'s mailbox handle maps {mapping.nbytes} bytes, expected at "
+                    f"least {nbytes} (the voted max_num_tokens, hidden and tp): build the same op, from the same "
+                    "packages, on every rank"
+                )
         peers = [allocation.pointer if mapping is None else mapping.pointer for mapping in mappings]
         return MailboxMemory(local, peers, owners=(allocation, *(m for m in mappings if m is not None)))
 

@@ -9,6 +9,8 @@ over ranks in the order ``mhc_core.reference.tp_sum`` gives, bit-identical on ev
 
 from __future__ import annotations
 
+import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,11 +21,12 @@ from ..protocols import ONE_SHOT
 from .allocation import requested_allocation
 from .calls import IN_PLACE_LAYER_INPUT, M, Rule, TensorRule, tensor
 from .compiler import KernelSpec
+from .lifetime import _CAPTURED
 from .mailbox import requested_transport
 from .moe import MoEOutput
 from .op import MAX_NUM_TOKENS, LamportOp
 from .programs import Launch, Pointer, Source
-from .spin import resolve_timeout_ms
+from .spin import TokenCountError, resolve_timeout_ms
 from .startup import collective
 from .validation import check_int
 
@@ -123,6 +126,14 @@ class _Cached:
     op: LamportAllReduce
     #: (transport, spin bound, mailbox allocation) as requested (environment variables read).
     settings: tuple[Any, ...]
+    #: Calls using the op right now: a replacement waits for none before closing it (``_CACHE``).
+    users: int = 0
+
+    @property
+    def limit(self) -> int:
+        """The largest M a call may pass: the op holds one row more, for the growth signal's M
+        (``_signal_growth``), a count no call on this op can have."""
+        return self.op.capacity - 1
 
 
 #: group -> (device, hidden, top_k) -> the op. Keyed by the group object itself (None: tp = 1), never by
@@ -130,6 +141,11 @@ class _Cached:
 #: each op holds its group. A group destroyed with ``torch.distributed.destroy_process_group`` loses
 #: its ops at the next build (dropped, not closed: a destroyed group runs no collective).
 _OPS: dict[Any, dict[tuple[Any, ...], _Cached]] = {}
+#: Guards ``_OPS``, ``_BUILDS`` and every entry's ``users``; notified when an entry's last user leaves.
+_CACHE = threading.Condition()
+#: group -> the lock its replacements hold (each is collective over that group; another group's
+#: calls never wait for it).
+_BUILDS: dict[Any, threading.Lock] = {}
 
 
 def lamport_all_reduce(
@@ -151,6 +167,17 @@ def lamport_all_reduce(
     same calls, with the same arguments. ``close_lamport_all_reduce(group)`` closes a group's ops
     (on every rank: before destroying the group, or to rebuild after a timeout). For loopback
     ranks use ``LamportAllReduce`` with ``LoopbackGroup.run`` (one process holds every rank).
+
+    Growth is agreed before any collective step (with the spin bound on, the default): a rank whose
+    M is above the op's first takes part in the op's call with a count no call can have, so every
+    rank's collective compares; ranks that did not grow raise ``TokenCountError`` naming it (at
+    their next call or ``check()``), and it raises ``TokenCountError`` naming them. Ranks that all
+    grow then compare the new size, and raise ``TokenCountError`` naming the ranks if it differs,
+    before the old op is closed. A CUDA graph captured on a replaced op replays NaN (the op is
+    closed): a replacement warns about it; capture again on the new op.
+
+    Threads: the cache is guarded; a replacement waits for the calls using the old op to return
+    before closing it, and one group's replacement never holds up another group's calls.
     """
     from .groups import LoopbackRank
 
@@ -168,11 +195,14 @@ def lamport_all_reduce(
     m, hidden = shared.shape
     top_k = x.expert_weights.shape[1] if isinstance(x, MoEOutput) and x.expert_weights.dim() == 2 else 0
     slot = (shared.device, hidden, top_k)
-    cached = _OPS.get(group, {}).get(slot)
-    capacity = max(m, max_num_tokens or 0)
-    if cached is None or cached.settings != settings or cached.op.capacity < capacity:
-        cached = _replace(group, slot, cached, settings, capacity)
-    return cached.op(x, out=out)
+    cached = _take(group, slot, settings, max(m, max_num_tokens or 0), m)
+    try:
+        return cached.op(x, out=out)
+    finally:
+        with _CACHE:
+            cached.users -= 1
+            if not cached.users:
+                _CACHE.notify_all()
 
 
 def _requested_settings(transport: str | None, spin_timeout_ms: float | None, allocation: str | None) -> tuple:
@@ -180,31 +210,126 @@ def _requested_settings(transport: str | None, spin_timeout_ms: float | None, al
     return requested_transport(transport)[0], resolve_timeout_ms(spin_timeout_ms), requested_allocation(allocation)
 
 
+def _fits(cached: _Cached | None, settings: tuple[Any, ...], capacity: int) -> bool:
+    return cached is not None and cached.settings == settings and cached.limit >= capacity
+
+
+def _take(group: Any, slot: tuple[Any, ...], settings: tuple[Any, ...], capacity: int, m: int) -> _Cached:
+    """The slot's op, counted as used (the caller gives it back), replaced first if it does not fit."""
+    with _CACHE:
+        cached = _OPS.get(group, {}).get(slot)
+        if _fits(cached, settings, capacity):
+            assert cached is not None
+            cached.users += 1
+            return cached
+        build = _BUILDS.setdefault(group, threading.Lock())
+    with build:  # one replacement per group at a time; a thread that waited here uses its op
+        with _CACHE:
+            cached = _OPS.get(group, {}).get(slot)
+            if _fits(cached, settings, capacity):
+                assert cached is not None
+                cached.users += 1
+                return cached
+        cached = _replace(group, slot, cached, settings, capacity, m)
+        with _CACHE:
+            cached.users += 1
+        return cached
+
+
 def _replace(
-    group: Any, slot: tuple[Any, ...], old: _Cached | None, settings: tuple[Any, ...], capacity: int
+    group: Any, slot: tuple[Any, ...], old: _Cached | None, settings: tuple[Any, ...], capacity: int, m: int
 ) -> _Cached:
-    """Close ``old`` (collectively), then build the slot's op (collectively) with ``settings``."""
-    _forget_destroyed_groups()
-    ops = _OPS.setdefault(group, {})
+    """Agree on the growth, close ``old`` once no call uses it (collectively), then build the slot's
+    op (collectively) with ``settings``."""
     if old is not None:
-        capacity = max(capacity, old.op.capacity)
-        del ops[slot]  # gone from the cache even if a rank fails to close it or to build the next
+        capacity = max(capacity, old.limit)
+        if capacity > old.limit:
+            _signal_growth(old, m)
+            _agree_on_growth(old, capacity)
+        with _CACHE:
+            _OPS.get(group, {}).pop(slot, None)  # gone from the cache even if a rank fails to close it or to build
+            while old.users:  # another thread's call still uses it
+                _CACHE.wait()
+        captured = id(old.op) in _CAPTURED
         old.op.close()
+        if captured:
+            warnings.warn(
+                f"lamport_all_reduce replaced its op for (device, hidden, top_k) = {slot} (max_num_tokens "
+                f"{old.limit} -> {capacity}): CUDA graphs captured on the old op now replay NaN (it was closed); "
+                "capture them again",
+                RuntimeWarning,
+                stacklevel=4,
+            )
     device, hidden, top_k = slot
     transport, spin_timeout_ms, allocation = settings
     op = LamportAllReduce(
-        hidden_size=hidden, max_num_tokens=capacity, device=device, group=group, transport=transport, top_k=top_k,
-        spin_timeout_ms=spin_timeout_ms or 0, mailbox_allocation=allocation,
+        hidden_size=hidden, max_num_tokens=min(capacity + 1, MAX_NUM_TOKENS), device=device, group=group,
+        transport=transport, top_k=top_k, spin_timeout_ms=spin_timeout_ms or 0, mailbox_allocation=allocation,
     )  # fmt: skip
-    ops[slot] = _Cached(op, settings)
-    return ops[slot]
+    cached = _Cached(op, settings)
+    with _CACHE:
+        _forget_destroyed_groups()
+        _OPS.setdefault(group, {})[slot] = cached
+    return cached
+
+
+def _signal_growth(old: _Cached, m: int) -> None:
+    """This rank needs more rows than ``old`` holds; its peers, already in the op's call for this
+    step, may not. Before any host collective, take part in that call with M = the op's capacity,
+    a count no call on it can have (calls stop at ``limit``): every rank's collective compares the
+    Ms (the spin bound's check), so a peer that did not grow raises ``TokenCountError`` naming this
+    rank, and this rank raises one naming it. Without that check (bound off) there is nothing to
+    compare with: the growth goes on to the votes."""
+    op = old.op
+    if op.tp == 1 or not op.spin.checks_token_counts:
+        return
+    filler = torch.full((op.capacity, op.hidden_size), float("nan"), dtype=torch.bfloat16, device=op.device)
+    op(filler, out=filler)
+    torch.cuda.synchronize(op.device)
+    try:
+        op.check()
+    except TokenCountError as error:
+        ranks = sorted(rank for rank in error.peer_m if rank != op.rank)
+        peers = ", ".join(f"rank {rank} M = {error.peer_m[rank]}" for rank in ranks)
+        raise TokenCountError(
+            f"rank {op.rank}: lamport_all_reduce with M = {m}, above the max_num_tokens = {old.limit} its op holds, "
+            f"while {peers} called it within that (a rank that grows alone cannot rebuild: every rank must pass "
+            "the same M, or the same max_num_tokens); the op is unusable on every rank: "
+            "close_lamport_all_reduce(group) on every rank, then call again",
+            m=m,
+            peer_m={rank: error.peer_m[rank] for rank in ranks},
+        ) from None
+
+
+def _agree_on_growth(old: _Cached, capacity: int) -> None:
+    """Every rank that grows asks for the same size (before the old op is closed), else
+    ``TokenCountError`` on every rank naming the ranks and their sizes."""
+    from .startup import Ballot, describe_values
+
+    if old.op.tp == 1:
+        return
+    group = old.op.group
+    ballots = group.exchange_ballots(Ballot(group.rank, "grow", {"max_num_tokens": capacity}), old.op.device)
+    sizes = {ballot.rank: ballot.fingerprint["max_num_tokens"] for ballot in ballots}
+    if len(set(sizes.values())) > 1:
+        raise TokenCountError(
+            f"rank {group.rank}: lamport_all_reduce: the ranks grow their op to different sizes "
+            f"({describe_values(sizes)}): every rank must pass the same M (or max_num_tokens); nothing was "
+            "closed, the op stays usable",
+            m=capacity,
+            peer_m={rank: size for rank, size in sizes.items() if size != capacity},
+        )
 
 
 def close_lamport_all_reduce(group: Any = None) -> None:
     """Close and forget the ops ``lamport_all_reduce`` keeps for ``group`` (None: tp = 1). Collective
     over the group, like ``close()``: call it on every rank (before destroying the group, or to build
-    the ops anew after a timeout)."""
-    for cached in _OPS.pop(group, {}).values():
+    the ops anew after a timeout). Waits for calls using them on other threads to return."""
+    with _CACHE:
+        dropped = list(_OPS.pop(group, {}).values())
+        while any(cached.users for cached in dropped):
+            _CACHE.wait()
+    for cached in dropped:
         cached.op.close()
 
 
@@ -213,6 +338,7 @@ def _forget_destroyed_groups() -> None:
     collective, so they cannot be closed; their memory goes with them)."""
     for group in [group for group in _OPS if group is not None and _destroyed(group)]:
         del _OPS[group]
+        _BUILDS.pop(group, None)
 
 
 def _destroyed(group: Any) -> bool:

@@ -124,6 +124,20 @@ class PeerMapping:
         self.pointer = int(pointer.value or 0)
         self.device = device
         weakref.finalize(self, _close, self.pointer, device)
+        #: The bytes mapped from ``pointer`` on: the peer's whole allocation, whatever it voted.
+        self.nbytes = _mapped_bytes(self.pointer, device)
+
+
+def _mapped_bytes(pointer: int, device: torch.device) -> int:
+    """The bytes of the allocation ``pointer`` lies in, from ``pointer`` to its end (the driver's
+    ``cuMemGetAddressRange``: what a mapping really spans)."""
+    from cuda.bindings import driver
+
+    with torch.cuda.device(device):
+        error, base, size = driver.cuMemGetAddressRange(pointer)
+    if error != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"mailbox_allocation='ipc': the size of a peer's mapped mailbox is unknown ({error})")
+    return int(base) + int(size) - pointer
 
 
 def _free(pointer: int, device: torch.device) -> None:

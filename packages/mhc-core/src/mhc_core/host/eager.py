@@ -155,17 +155,15 @@ class EagerCalls:
 
     def _call(self, x: object, values: tuple[Any, ...], out: Any) -> Any:
         """One eager call (``__call__``) with a publish input ``x``: the hot path."""
-        lock = self._lock
-        lock.acquire()  # not `with`: half the cost on the hot path
-        try:
+        # `with`, not acquire() then `try`: an interrupt arriving as acquire() returns (the
+        # interpreter checks for signals there, outside the `try`) would leave the lock held for good.
+        with self._lock:
             if self._closed or self._poisoned is not None or not self._peers_ready:
                 self._check_usable()
             if type(x) is torch.Tensor or not isinstance(x, MoEOutput):
                 return self._launch_call(self._programs.call, (x, *values), x, values, out, None)
             fields = (x.shared_output, x.gemm2_permuted, x.expert_weights, x.expanded_idx_to_permuted_idx)
             return self._call_moe(fields, values, out)  # takes the lock again: an RLock
-        finally:
-            lock.release()
 
     def _call_moe(self, fields: tuple[Any, ...], values: tuple[Any, ...], out: Any) -> Any:
         """One eager call with MoE input: ``fields`` in ``MOE_FIELDS`` order."""

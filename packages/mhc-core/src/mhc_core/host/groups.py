@@ -254,8 +254,10 @@ def run_ranks(
     enqueues every rank's publish, then (two-shot) every rank's reduce, then every rank's
     collective, on the current stream: no kernel can wait on one enqueued behind it, whatever M.
     ``args[r]`` / ``kwargs[r]`` are rank ``r``'s arguments; returns each rank's outputs.
-    Works for a single tp = 1 op too. Holds every op's lock (taken in the order of ``ops``) for
-    the whole run: another thread's run over the same ops comes before or after it, whole.
+    Works for a single tp = 1 op too. Holds every op's lock for the whole run, taken in one order
+    for the whole process (the ops' creation order, whatever the order of ``ops``): another
+    thread's run over the same ops comes before or after it, whole, and two runs that list the same
+    ops in different orders cannot deadlock.
     """
     if len(args) != len(ops) or (kwargs is not None and len(kwargs) != len(ops)):
         raise ValueError(f"args, kwargs: expected one entry per op ({len(ops)})")
@@ -275,11 +277,22 @@ def run_ranks(
 
 
 def _holding_locks(ops: Sequence[Any], run: Callable[[], list[Any]]) -> list[Any]:
-    """``run()`` holding every op's lock, taken in the order of ``ops``."""
+    """``run()`` holding every op's lock, taken by the ops' creation serial (``lock_order``): one
+    global order, so two threads locking the same ops never wait for each other in a cycle."""
+    unique = {id(op): op for op in ops}
+    return _locked(sorted(unique.values(), key=lock_order), run)
+
+
+def _locked(ops: Sequence[Any], run: Callable[[], list[Any]]) -> list[Any]:
     if not ops:
         return run()
     with ops[0]._lock:
-        return _holding_locks(ops[1:], run)
+        return _locked(ops[1:], run)
+
+
+def lock_order(op: Any) -> int:
+    """The position of ``op``'s lock in the process-wide order (its creation serial)."""
+    return op._lock_serial
 
 
 def normalize_device(device: torch.device | str | int) -> torch.device:

@@ -16,6 +16,7 @@ import torch
 from ..constants import ERROR_CLOSED, ERROR_COPY, ERROR_WORD
 from . import library
 from .mailbox import LamportMailbox
+from .streams import captures_in_progress
 
 #: Ops a CUDA graph captured, by id, kept alive until ``close()``: a graph may replay them any time.
 _CAPTURED: dict[int, Any] = {}
@@ -35,6 +36,8 @@ class Lifetime:
     # Set by ``LamportOp.__init__``; declared for type checkers (a mixin's first assignment fixes them).
     _poisoned: str | None
     _peers_ready: bool
+    #: The steps of ``close()`` done so far (``_release``): a failed close() resumes after them.
+    _close_done: set[str]
 
     def _call_failed(self, error: BaseException) -> None:
         """A call path raised. Before its launch (rejected by the native checks, or failed earlier)
@@ -89,9 +92,13 @@ class Lifetime:
         write NaN outputs, then frees the mailbox and keeps, for the life of the process, the few
         small buffers such a replay still touches (stage state, destination table, error report,
         events, the model's own ``model_device_state``). An op a graph captured is kept alive until close(), whatever
-        references the caller drops: garbage collection never frees memory a replay could write."""
+        references the caller drops: garbage collection never frees memory a replay could write.
+
+        A release that raises (a capture in progress on another thread: the device cannot be
+        synchronised; a peer gone: the barrier fails) leaves the op closed on the host and poisoned
+        on the device, holding what it has not released yet; the next close() retries from there."""
         with self._lock:  # a call in flight on another thread finishes first
-            if self._closed:
+            if "released" in self._close_done:
                 return
             if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("close(): not inside a CUDA-graph capture (it synchronises the device)")
@@ -111,28 +118,55 @@ class Lifetime:
 
     def _release(self) -> None:
         """Drop every reference to device memory once the device (and, for a process group, every
-        rank) is done with it. A loopback group keeps its ranks' mailboxes until it is dropped. An op
-        a graph captured is poisoned first (on every rank before the barrier) and leaves what its
-        replays touch in ``_RETIRED``."""
-        torch.cuda.synchronize(self.device)
+        rank) is done with it, in steps a failed close() resumes (``_close_done``): poison the op
+        on the device first (before anything that can fail), wait for the device (never while a
+        capture is in progress: ``captures_in_progress``), the barrier, then the references. A
+        loopback group keeps its ranks' mailboxes until it is dropped. An op a graph captured
+        leaves what its replays touch in ``_RETIRED``."""
+        done, mailbox = self._close_done, self.mailbox
+        if "poisoned" not in done:
+            if mailbox is not None:
+                self._poison_replays(mailbox.stage_state)
+            done.add("poisoned")
+        if "synchronised" not in done:
+            busy = captures_in_progress()
+            if busy:
+                raise RuntimeError(
+                    f"close(): a CUDA-graph capture is in progress on stream(s) "
+                    f"{[hex(stream.cuda_stream) for stream in busy]} (another thread): close() must synchronise the "
+                    "device, which would invalidate it. The op is closed and poisoned on the device (a graph that "
+                    "captured it replays NaN) but still holds its mailbox: call close() again once the capture ends"
+                )
+            torch.cuda.synchronize(self.device)
+            done.add("synchronised")
+        if "barrier" not in done:
+            try:
+                self.group.barrier()
+            except Exception as error:
+                error.add_note(
+                    f"close() of {type(self).__name__} (rank {self.rank}): the ranks' barrier failed; the op is "
+                    "closed and poisoned but keeps its mailbox (a peer may still store into it): call close() "
+                    "again to retry the barrier"
+                )
+                raise
+            done.add("barrier")
         captured = _CAPTURED.pop(id(self), None) is not None
-        if captured and self.mailbox is not None:
-            self._poison_replays(self.mailbox.stage_state)
-        self.group.barrier()
         library.unregister(self.handle)
-        if captured and self.mailbox is not None:
-            _RETIRED.append(self._replay_state(self.mailbox))
+        if captured and mailbox is not None:
+            _RETIRED.append(self._replay_state(mailbox))
         for name in (*self._device_state, *self.model_device_state):
             if hasattr(self, name):
                 setattr(self, name, None)
+        done.add("released")
 
     def _poison_replays(self, stage_state: torch.Tensor) -> None:
         """Set both copies of the op's device error word: every kernel launched or replayed from now
-        on is poisoned (it polls, re-arms and stores into no mailbox, and writes NaN)."""
-        with torch.cuda.device(self.device):
-            stage_state[ERROR_WORD] = ERROR_CLOSED
-            stage_state[ERROR_COPY] = ERROR_CLOSED
-        torch.cuda.synchronize(self.device)
+        on is poisoned (it polls, re-arms and stores into no mailbox, and writes NaN). On the current
+        stream, after the op's last eager call, with no host wait (legal while another thread
+        captures): the device synchronise that follows orders it before the barrier."""
+        self._order.follow()
+        for word in (ERROR_WORD, ERROR_COPY):
+            stage_state.narrow(0, word, 1).fill_(ERROR_CLOSED)
 
     def _replay_state(self, mailbox: LamportMailbox) -> tuple[Any, ...]:
         """What a poisoned replay of this op's kernels still reads or writes: everything but the

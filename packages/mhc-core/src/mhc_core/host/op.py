@@ -57,6 +57,7 @@ Modules, one job each (``LamportOp`` composes them; none names a model's attribu
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import time
 from typing import Any
@@ -105,6 +106,8 @@ __all__ = [
     "Programs",
 ]
 
+#: Creation serials of the ops' locks (``LamportOp._lock_serial``); ``next`` on it is atomic.
+_LOCK_SERIALS = itertools.count()
 WEIGHT_TORCH_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 #: The most tokens a call can take: a publish encodes M as ``2 M + 1`` in a mailbox header word
 #: that must never read as the -0 sentinel (``mhc_core.device.protocol.encode_count``).
@@ -113,6 +116,9 @@ MAX_NUM_TOKENS = 2**30 - 1
 #: (at most 65 535): 65 536 keeps every geometry (down to 32 threads and 8 lanes: 2 048 CTAs) far
 #: inside it, and is four times the largest hidden size of a public model (16 384).
 MAX_HIDDEN = 65536
+#: The spin bound of a process group's warm-up at construction, in ms: the ranks are all past the
+#: ``mapped`` vote, so a peer that has not published within it failed (``LamportOp._warm_up``).
+WARMUP_SPIN_TIMEOUT_MS = 20_000.0
 
 
 class LamportOp(CallForms, EagerCalls, TwoPhaseCalls, WarmUp, Lifetime, ModelOp):
@@ -227,11 +233,16 @@ class LamportOp(CallForms, EagerCalls, TwoPhaseCalls, WarmUp, Lifetime, ModelOp)
         """The host state every call path shares (see the module docstring, "Threads", "Exceptions")."""
         #: Held by every public call path: one op's calls are atomic with respect to each other.
         self._lock = threading.RLock()
+        #: Where this op's lock comes when a call takes several ops' locks (``groups.run_ranks``):
+        #: by creation, one order for the whole process.
+        self._lock_serial = next(_LOCK_SERIALS)
         #: True from right before a call's native launch until the call path resets it: an exception
         #: while it is set may come after the launch (``_call_failed`` then poisons the op).
         self._in_launch = False
         #: Why the op poisoned itself on the host (``OpPoisonedError``), or None.
         self._poisoned: str | None = None
+        #: The steps of ``close()`` done so far (``Lifetime._release``).
+        self._close_done: set[str] = set()
 
     def _build_publishes(self) -> None:
         """After every argument is validated: the arch, the spin guard, the publish kernels."""
@@ -305,14 +316,39 @@ class LamportOp(CallForms, EagerCalls, TwoPhaseCalls, WarmUp, Lifetime, ModelOp)
         self._programs = self._build_programs()
         self._phase("programs")
         startup.vote("mapped", {}, device=self.device)  # every rank can launch: none warms up alone
-        with torch.cuda.device(self.device):
-            self.group.complete_construction(self)
-        self.spin.check()  # a warm-up that timed out fails here, and the vote below tells every peer
-        startup.vote("ready", {}, device=self.device)
+        # A warm-up that failed (here, or timed out waiting for a peer that failed) is cast in the
+        # vote: every rank raises StartupError naming each failed rank and its error.
+        failure = self._warm_up()
+        if failure is not None and self.group.kind != "process_group":
+            raise failure  # one process: no peer waits in the vote
+        startup.vote("ready", {}, device=self.device, error=failure)
         startup.end()
         self._phase("warm_up")
         phases = ", ".join(f"{name} {seconds:.3f}" for name, seconds in self.construction_seconds.items())
         LOG.info("built %s in %.3f s (%s)", self, sum(self.construction_seconds.values()), phases)
+
+    def _warm_up(self) -> Exception | None:
+        """The group's warm-up of this op (``complete_construction``); what stopped it, or None. A
+        process group's ranks warm up with a short spin bound of their own
+        (``WARMUP_SPIN_TIMEOUT_MS``, or the op's if shorter): a peer that failed after the
+        ``mapped`` vote never publishes, and the kernels waiting for it give up within seconds,
+        not after the op's bound. With the bound off, the warm-up has none either (the M check
+        follows the bound: it must be on on every rank's kernels alike)."""
+        spin, programs = self.spin, self._programs
+        bound = (spin.limit_ns, spin.timeout_ms)
+        try:
+            if self.group.kind == "process_group" and spin.timeout_ms and spin.timeout_ms > WARMUP_SPIN_TIMEOUT_MS:
+                spin.limit_ns, spin.timeout_ms = int(WARMUP_SPIN_TIMEOUT_MS * 1e6), WARMUP_SPIN_TIMEOUT_MS
+                self._programs = self._build_programs()  # the same kernels, the short bound
+            with torch.cuda.device(self.device):
+                self.group.complete_construction(self)
+            spin.check()  # a warm-up that timed out raises here, naming the ranks that never published
+        except Exception as error:
+            return error
+        finally:
+            spin.limit_ns, spin.timeout_ms = bound
+            self._programs = programs
+        return None
 
     def _fingerprint(self) -> dict[str, Any]:
         """What every rank's op must agree on before anything is allocated (the ``config`` vote)."""

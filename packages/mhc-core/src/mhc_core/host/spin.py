@@ -60,6 +60,7 @@ from ..constants import (
     ROUTE_INDEX,
     ROUTE_TOKEN,
 )
+from .streams import captures_in_progress
 
 SPIN_TIMEOUT_ENV = "MHC_SPIN_TIMEOUT_MS"
 #: The bound an op gets when neither ``spin_timeout_ms`` nor ``MHC_SPIN_TIMEOUT_MS`` says otherwise.
@@ -189,9 +190,16 @@ class SpinGuard:
             raise again from self.failure
         if self._words[ERROR_CODE] == ERROR_NONE and self._words[ROUTE_CODE] == ERROR_NONE:
             return
-        if not torch.cuda.is_current_stream_capturing():
-            # The reporting kernel has finished waiting; let it finish writing the report.
-            torch.cuda.synchronize(self.device)
+        if torch.cuda.is_current_stream_capturing() or captures_in_progress():
+            # No synchronise while a capture is in progress (it would invalidate the graph), so the
+            # reporting kernel may still be writing its words: a failure (sticky on the device
+            # whatever its details) is raised but not kept, and a route report is neither raised
+            # nor cleared; the next check outside a capture synchronises and reads them whole.
+            if self._words[ERROR_CODE] != ERROR_NONE:
+                raise self._decode(int(self._words[ERROR_CODE]), [int(w) for w in self._words])
+            return
+        # The reporting kernel has finished waiting; let it finish writing the report.
+        torch.cuda.synchronize(self.device)
         words = [int(w) for w in self._words]  # read after the sync: a failure may have come meanwhile
         route = self._route_error(words) if words[ROUTE_CODE] != ERROR_NONE else None
         if words[ERROR_CODE] != ERROR_NONE:

@@ -16,7 +16,10 @@ of a ``Ballot`` per stage), each before the step it guards:
    picks the allocation);
 3. the allocation's own exchanges (``mhc_core.host.allocation``), then ``mapped``, once every peer's
    mailbox is mapped and the call programs are bound, before the warm-up;
-4. ``ready``, after the warm-up: every rank's kernels launched once and no spin timed out.
+4. ``ready``, after the warm-up: every rank's kernels launched once and no spin timed out. A rank
+   whose warm-up failed casts its error in this vote; a process group's warm-up has a short spin
+   bound of its own (``mhc_core.host.op.WARMUP_SPIN_TIMEOUT_MS``), so the peers of a rank that
+   failed after ``mapped`` stop waiting for its publishes within seconds and name it.
 
 Any difference in a fingerprint raises ``StartupError`` (a ``ValueError``) on every rank, naming
 the fields and which ranks hold which value. A rank that fails locally casts its failure in the
@@ -144,16 +147,28 @@ class Startup:
         self.finished = False
         self._next = 0
 
-    def vote(self, stage: str, fingerprint: dict[str, Any], facts: Any = None, device: Any = None) -> list[Any]:
+    def vote(
+        self,
+        stage: str,
+        fingerprint: dict[str, Any],
+        facts: Any = None,
+        device: Any = None,
+        error: BaseException | None = None,
+    ) -> list[Any]:
         """Exchange this rank's ``fingerprint`` for ``stage``; every rank's facts, in rank order.
-        Raises ``StartupError`` on every rank if any rank failed or any fingerprint differs."""
-        ballot = Ballot(self.group.rank, stage, fingerprint, facts)
+        Raises ``StartupError`` on every rank if any rank failed or any fingerprint differs.
+        ``error``: this rank failed at this stage; cast it, so that every rank's ``StartupError``
+        names it (this rank's too, chained to ``error``)."""
+        described = None if error is None else f"{type(error).__name__}: {error}"
+        ballot = Ballot(self.group.rank, stage, fingerprint, facts, described)
         self._next += 1
         try:
             ballots = self.group.exchange_ballots(ballot, device)
             check_ballots(ballots, self.group.rank, self.what)
-        except BaseException:
+        except BaseException as failure:
             self.finished = True  # a raising vote raised on every rank: nobody waits for another
+            if error is not None and failure.__cause__ is None:
+                raise failure from error
             raise
         return [ballot.facts for ballot in sorted(ballots, key=lambda b: b.rank)]
 

@@ -46,6 +46,30 @@ def current_capture(stream: torch.cuda.Stream) -> int:
     return int(result[2])
 
 
+#: Raw handle -> stream of every stream an op's call was captured on (``CallOrder.begin``): what
+#: ``captures_in_progress`` asks about (a stream that ends its capture is forgotten then).
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def captures_in_progress() -> list[torch.cuda.Stream]:
+    """The streams, of any thread, that captured an op's call and are capturing still. A device-wide
+    synchronise while one captures would invalidate its graph (``close()`` asks first). A capture
+    that has captured no op's call yet is not known here."""
+    if not _CAPTURE_STREAMS:
+        return []
+    from cuda.bindings import runtime
+
+    active = runtime.cudaStreamCaptureStatus.cudaStreamCaptureStatusActive
+    busy = []
+    for handle, stream in list(_CAPTURE_STREAMS.items()):
+        error, status = runtime.cudaStreamIsCapturing(handle)
+        if error == runtime.cudaError_t.cudaSuccess and status == active:
+            busy.append(stream)
+        else:
+            _CAPTURE_STREAMS.pop(handle, None)
+    return busy
+
+
 @dataclass
 class _Recorded:
     stream: torch.cuda.Stream
@@ -108,6 +132,8 @@ class CallOrder:
             # The common eager case, a call on the stream of the previous one: nothing to order.
             self.stream, self.capture = stream, 0
             return 0
+        if capture:
+            _CAPTURE_STREAMS[stream.cuda_stream] = stream
         if capture and self.on_first_capture is not None:
             hook, self.on_first_capture = self.on_first_capture, None
             hook()
@@ -140,6 +166,13 @@ class CallOrder:
     def cancel(self) -> None:
         """A call that launched nothing (its arguments were rejected)."""
         self.in_call = False
+
+    def follow(self) -> None:
+        """The current stream waits for the op's last eager call (no host wait: legal while another
+        thread captures)."""
+        stream = torch.cuda.current_stream(self.device)
+        if self._eager is not None and self._eager != stream:
+            stream.wait_event(self._eager_event)
 
 
 class SideWork:
