@@ -314,10 +314,11 @@ def multigpu(session: nox.Session, tp: int, mode: str) -> None:
     _torchrun(session, tp, [*forwarded, "--procs-per-gpu", *scale], env)
     if "--no-kill" in session.posargs or tp not in KILL_RANK:
         return
-    session.run(
-        "python3", "-m", "tests.multigpu.kill", "--tp", str(tp), "--kill-rank", str(KILL_RANK[tp]), "--procs-per-gpu",
-        env=env, external=True,
-    )  # fmt: skip
+    for protocol in ("one-shot", "two-shot"):  # the plain all-reduce, and DSV4.1's fused op as a two-shot
+        session.run(
+            "python3", "-m", "tests.multigpu.kill", "--tp", str(tp), "--kill-rank", str(KILL_RANK[tp]),
+            "--procs-per-gpu", "--protocol", protocol, env=env, external=True,
+        )  # fmt: skip
 
 
 @nox.session(tags=["bench"], venv_backend="none", default=False)

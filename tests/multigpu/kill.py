@@ -45,6 +45,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--slack-s", type=float, default=5.0, help="seconds a survivor may take beyond the bound")
     parser.add_argument("--good-calls", type=int, default=20, help="checked calls before the kill")
     parser.add_argument(
+        "--protocol",
+        choices=("one-shot", "two-shot"),
+        default="one-shot",
+        help="one-shot: the plain LamportAllReduce; two-shot: DSV4.1's fused op forced to the two-shot (issue #47)",
+    )
+    parser.add_argument(
         "--timeout-s",
         type=float,
         default=300.0,
@@ -89,7 +95,7 @@ def child_command(options: argparse.Namespace) -> list[str]:
     command = [
         sys.executable, "-m", "tests.multigpu.run", "--tp", str(options.tp), "--kill-rank", str(options.kill_rank),
         "--kill-spin-ms", str(options.spin_timeout_ms), "--kill-slack-s", str(options.slack_s),
-        "--kill-good-calls", str(options.good_calls),
+        "--kill-good-calls", str(options.good_calls), "--kill-protocol", options.protocol,
     ]  # fmt: skip
     if options.procs_per_gpu:
         command.append("--procs-per-gpu")

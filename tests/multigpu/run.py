@@ -115,6 +115,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     kill.add_argument("--kill-spin-ms", type=float, default=3000.0, help="the op's spin_timeout_ms in kill mode")
     kill.add_argument("--kill-slack-s", type=float, default=5.0, help="seconds allowed beyond the spin bound")
     kill.add_argument("--kill-good-calls", type=int, default=20, help="checked calls before the kill")
+    kill.add_argument(
+        "--kill-protocol", choices=("one-shot", "two-shot"), default="one-shot", help="the protocol of the killed op"
+    )
     options = parser.parse_args(argv)
     if options.kill_rank is not None and not 0 <= options.kill_rank < options.tp:
         parser.error(f"--kill-rank: expected a rank in [0, {options.tp}), got {options.kill_rank}")
@@ -828,19 +831,54 @@ def kill_result_line(
     return ok, line
 
 
+class _TwoShotKillOp:
+    """DSV4.1's fused op forced to the two-shot, called like the plain all-reduce (fixed mixes)."""
+
+    def __init__(self, op, generator) -> None:
+        from tests.dsv41.test_allreduce_mhc_gpu import inputs
+
+        self.op = op
+        self.args = inputs(8, 4, 4096, generator, post_3d=False, negative_zero=False)
+
+    def __call__(self, x):
+        return self.op(x, *self.args)
+
+    def check(self) -> None:
+        self.op.check()
+
+
+def _two_shot_kill_op(group, spin_ms: float, generator) -> _TwoShotKillOp:
+    from mhc_dsv41 import AllReduceMHC
+
+    op = AllReduceMHC(
+        hidden_size=4096, hc_mult=4, max_num_tokens=16, top_k=8, device="cuda", group=group, spin_timeout_ms=spin_ms,
+        protocol="two-shot",
+    )  # fmt: skip
+    return _TwoShotKillOp(op, generator)
+
+
 def kill_main(options: argparse.Namespace, group, tp: int, rank: int) -> int:
     """Good calls, a barrier, then rank ``--kill-rank`` SIGKILLs itself (its GPU idle, its last call
     collected: it publishes nothing more) and every other rank calls on until a call raises."""
     from mhc_core import LamportAllReduce, reference
 
     victim = options.kill_rank
-    op = LamportAllReduce(
-        hidden_size=4096, max_num_tokens=16, device="cuda", group=group, spin_timeout_ms=options.kill_spin_ms
-    )
     generator = shared_generator(23)
+    if options.kill_protocol == "two-shot":
+        op = _two_shot_kill_op(group, options.kill_spin_ms, generator)
+    else:
+        op = LamportAllReduce(
+            hidden_size=4096, max_num_tokens=16, device="cuda", group=group, spin_timeout_ms=options.kill_spin_ms
+        )
     for call in range(options.kill_good_calls):
         partials = [bf16_randn(8, 4096, generator=generator) for _ in range(tp)]
-        assert_bitwise_equal(op(partials[rank]), reference.all_reduce(partials), f"good call {call}")
+        if options.kill_protocol == "two-shot":
+            # The fused op's reduced row, bit for bit: its layer input with unit weights is the
+            # RMSNorm of the all-reduce's own collapse; here only the two-shot's health is checked.
+            outputs = op(partials[rank])
+            assert torch.isfinite(outputs[0].float()).all(), f"good call {call}: a non-finite output"
+        else:
+            assert_bitwise_equal(op(partials[rank]), reference.all_reduce(partials), f"good call {call}")
     op.check()
     synchronize()
     dist.barrier()
