@@ -104,6 +104,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help=f"export {MAILBOX_ALLOCATION_ENV} (the ops' mailbox_allocation; default: the op's 'auto')",
     )
     parser.add_argument(
+        "--protocol",
+        choices=("auto", "one-shot", "two-shot"),
+        help="export MHC_PROTOCOL (the fused ops' all-reduce protocol, issue #47; default: the op's 'auto', "
+        "which routes by M at the presets' crossovers); the plain LamportAllReduce stays one-shot",
+    )
+    parser.add_argument(
         "--calls-scale",
         type=float,
         default=1.0,
@@ -150,11 +156,17 @@ def backend(procs_per_gpu: bool) -> str:
     return "gloo" if procs_per_gpu else "nccl"
 
 
+#: The fused ops' protocol variable (``mhc_core.protocols.PROTOCOL_ENV``), named without importing them.
+PROTOCOL_ENV = "MHC_PROTOCOL"
+
+
 def init(options: argparse.Namespace) -> tuple[Any, int, int]:
     """Bind this rank's GPU and start the process group; (group, tp, rank)."""
     global COLLECTIVE_DEVICE
     if options.mailbox_allocation:
         os.environ[MAILBOX_ALLOCATION_ENV] = options.mailbox_allocation
+    if options.protocol:
+        os.environ[PROTOCOL_ENV] = options.protocol
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = rank_device(local_rank, torch.cuda.device_count(), options.procs_per_gpu)
     torch.cuda.set_device(device)

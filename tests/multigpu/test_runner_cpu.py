@@ -24,6 +24,7 @@ def test_procs_per_gpu_options() -> None:
     assert not run.parse_args(["--tp", "2"]).procs_per_gpu
     assert run.parse_args(["--tp", "2", "--only", "fp8"]).only == ["fp8"]
     assert set(run.SUITES) == set(run.SUITE_NAMES)
+    assert run.parse_args(["--tp", "8", "--protocol", "two-shot"]).protocol == "two-shot"
 
 
 @pytest.mark.parametrize(
@@ -34,6 +35,7 @@ def test_procs_per_gpu_options() -> None:
         ["--tp", "2", "--calls-scale", "0"],
         ["--tp", "2", "--only", "nothing"],
         ["--tp", "2", "--mailbox-allocation", "shared"],
+        ["--tp", "2", "--protocol", "three-shot"],
     ],
 )
 def test_bad_options_are_refused(argv: list[str]) -> None:
@@ -72,6 +74,9 @@ def test_child_command_is_a_kill_run_of_the_runner() -> None:
     child = run.parse_args(command[3:])
     assert child.tp == 4 and child.kill_rank == 3 and child.procs_per_gpu
     assert child.kill_spin_ms == 2500.0 and child.kill_slack_s == options.slack_s
+    assert child.kill_protocol == "one-shot"
+    two_shot = run.parse_args(kill.child_command(kill.parse_args(["--tp", "4", "--protocol", "two-shot"]))[3:])
+    assert two_shot.kill_protocol == "two-shot", "the kill of a fused op forced to the two-shot (issue #47)"
     with pytest.raises(SystemExit):
         kill.parse_args(["--tp", "2", "--kill-rank", "5"])
 
