@@ -34,9 +34,9 @@ def dsv_ops(tp: int, protocol: str, **options) -> list:
     from mhc_dsv41 import AllReduceMHC
     from mhc_dsv41.config import default_geometry
 
-    geometry = {**default_geometry(DSV_HIDDEN, 4, tp), **options}  # the tp op's geometry, one rank lane
-    options = {key: value for key, value in options.items() if key not in geometry}
-    key = ("two-shot-dsv", tp, protocol, tuple(sorted(options.items())))
+    geometry = default_geometry(DSV_HIDDEN, 4, tp)  # the tp op's geometry, one rank lane (or as given)
+    geometry.update({key: options.pop(key) for key in list(options) if key in geometry})
+    key = ("two-shot-dsv", tp, protocol, tuple(sorted(options.items())), tuple(sorted(geometry.items())))
     return cached_ranks(
         key,
         tp,
