@@ -242,3 +242,29 @@ def test_glm_two_shot_is_the_tp1_op_on_the_reduced_row(tp: int) -> None:
         expected = solo(reference.all_reduce(partials), residual, post, comb, fn, scale, base, weight)
         solo.join()
         check_against(results, expected, f"glm tp {tp} M {m}")
+
+
+@pytest.mark.parametrize("tp", [4])
+def test_loopback_two_phases_run_every_ranks_reduce_once(tp: int) -> None:
+    """The public ``publish()`` on every rank, then ``collect()`` on each (what a loopback user writes):
+    the first two-shot collect runs every rank's reduce, then each rank's boundary; the results are the
+    ``run_ranks`` ones. A collect before every rank has published raises instead of waiting forever."""
+    ops = dsv_ops(tp, "two-shot")
+    generator = torch.Generator(device="cuda").manual_seed(4750)
+    m = 19
+    residual, post, comb, pre, weight = dsv_inputs(m, generator)
+    partials = partials_for(tp, m, DSV_HIDDEN, generator)
+    expected = run_ranks(ops, "call", [(p, residual, post, comb, pre, weight, NORM_EPS) for p in partials])
+    for op, partial in zip(ops, partials, strict=True):
+        op.publish(partial)
+    results = [op.collect(residual, post, comb, pre, weight, NORM_EPS) for op in ops]
+    for rank in range(tp):
+        for index in range(2):
+            assert_bitwise_equal(results[rank][index], expected[rank][index], f"rank {rank} output {index}")
+    ops[0].publish(partials[0])
+    with pytest.raises(RuntimeError, match=r"needs every rank's publish\(\) first; ranks \[1, 2, 3\]"):
+        ops[0].collect(residual, post, comb, pre, weight, NORM_EPS)
+    for op, partial in zip(ops[1:], partials[1:], strict=True):
+        op.publish(partial)
+    again = [op.collect(residual, post, comb, pre, weight, NORM_EPS) for op in ops]
+    assert_bitwise_equal(again[2][1], expected[2][1], "after the refused collect, the ranks go on")

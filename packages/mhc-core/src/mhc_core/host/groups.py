@@ -173,6 +173,25 @@ class LoopbackRank(RankGroup):
         joined = self.group._instances.get(self._instance_of.get(op, -1), {})
         return [rank for rank in range(self.tp) if rank not in joined]
 
+    def exchange_pending(self, op: Any, m: int) -> None:
+        """A two-shot ``collect()`` on a loopback rank: every rank's reduce of the instance, once, in
+        rank order (each needs every rank's publish, and each rank's boundary every rank's reduce).
+        Every rank must have published M first: else the reduce would wait for a publish queued
+        behind it, so this raises instead."""
+        ranks = self.group._instances.get(self._instance_of.get(op, -1), {})
+        pending = {rank: getattr(peer, "_pending_m", None) for rank, peer in sorted(ranks.items())}
+        waiting = [rank for rank, peer_m in pending.items() if peer_m != m]
+        if len(ranks) != self.tp or waiting:
+            raise RuntimeError(
+                f"collect(): a loopback two-shot collect (M = {m}) needs every rank's publish() first; "
+                f"ranks {waiting or self.missing_peers(op)} have {[pending.get(r) for r in waiting]} pending"
+            )
+        for rank in sorted(ranks):
+            peer = ranks[rank]
+            with peer._lock:
+                if not peer._exchanged:
+                    peer._run_exchange(m)
+
     def __repr__(self) -> str:
         return f"LoopbackRank({self.rank} of {self.tp})"
 

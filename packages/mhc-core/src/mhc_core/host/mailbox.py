@@ -125,7 +125,9 @@ class LamportMailbox:
         self._owners = memory.owners
         self.memory = memory.local
         self.buffer = memory.local[:slots].view(LAMPORT_GENERATIONS, group.tp, capacity, hidden)
-        self.header = memory.local[slots : self.layout.scatter_offset].view(LAMPORT_GENERATIONS, group.tp, HEADER_ENTRY_BYTES // 2)
+        self.header = memory.local[slots : self.layout.scatter_offset].view(
+            LAMPORT_GENERATIONS, group.tp, HEADER_ENTRY_BYTES // 2
+        )
         # On the device so that CUDA-graph replays advance it.
         self.stage_state = torch.zeros(STAGE_STATE_WORDS, dtype=torch.int32, device=device)
         if transport == "multicast":

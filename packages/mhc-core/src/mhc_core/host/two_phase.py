@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..protocols import TWO_SHOT
 from .moe import MOE_FIELDS, MoEOutput
 from .programs import AFTER_PUBLISH_FLAG
 
@@ -35,6 +36,8 @@ class TwoPhaseCalls:
 
     #: The pending publish's M, or None (set by ``LamportOp.__init__``; declared for type checkers).
     _pending_m: int | None
+    #: Whether the pending publish's two-shot reduce has run (a loopback rank's, ``exchange_pending``).
+    _exchanged: bool = False
 
     def publish(self, x: torch.Tensor | MoEOutput) -> None:
         """Phase one: publish this rank's partial (or MoE output) for the next ``collect``. Until
@@ -49,6 +52,7 @@ class TwoPhaseCalls:
             self._in_launch = False
             capture = self._order.begin()
             try:
+                self._exchanged = False
                 self._pending_m = int(self._run(program, values, None, capture=capture, rules=rules))
             except BaseException as error:
                 self._call_failed(error)
@@ -61,12 +65,18 @@ class TwoPhaseCalls:
             if self._pending_m is None:
                 raise RuntimeError("collect(): no publish() is pending; the collective would wait forever")
             flags = AFTER_PUBLISH_FLAG if after_publish else 0
+            program = self._programs.collect
+            if self._loopback_two_shot(self._pending_m):
+                # Loopback ranks run one after another: this rank's boundary needs every rank's
+                # reduce, so the first collect runs them all (after every rank's publish).
+                self.group.exchange_pending(self, self._pending_m)
+                program = self._programs.gather
             self._in_launch = False
             try:
                 outputs = self._run(
-                    self._programs.collect, values, out, collect=values, m=self._pending_m, flags=flags,
-                    capture=self._order.capture,
-                )  # fmt: skip
+                    program, values, out, collect=values, m=self._pending_m, flags=flags, capture=self._order.capture
+                )
+                self._exchanged = False
                 self._pending_m = None  # only now: a rejected collect leaves the publish pending, to collect again
                 self._order.end()
             except BaseException as error:
@@ -94,6 +104,9 @@ class TwoPhaseCalls:
             self._check(collect, values, out, m=m)
             return self._plan(m, (publish, inputs), dict(program=collect, values=values, m=m), values, out)
 
+    def _loopback_two_shot(self, m: int) -> bool:
+        return self.group.kind == "loopback" and self.protocols.protocol(m) == TWO_SHOT
+
     def _require_no_publish(self, what: str) -> None:
         if self._pending_m is not None:
             raise RuntimeError(f"{what}: a publish() is pending; call collect() first")
@@ -114,6 +127,7 @@ class TwoPhaseCalls:
                 self._in_launch = False
                 capture = self._order.begin()
                 try:
+                    self._exchanged = False
                     self._run(program, inputs, None, capture=capture)
                     self._pending_m = m
                 except BaseException as error:
@@ -155,6 +169,7 @@ class TwoPhaseCalls:
     def _run_exchange(self, m: int, variant: int = -1) -> None:
         """The two-shot's reduce alone, for M tokens (nothing launches for a one-shot M)."""
         assert self.mailbox is not None and self._programs.exchange is not None
+        self._exchanged = True
         self._in_launch = False
         try:
             self._run(self._programs.exchange, (self.mailbox.stage_state,), None, m=m, variant=variant,
