@@ -39,6 +39,7 @@ def table(records) -> str:
 def two_shot_table(records) -> str:
     """``--suite two-shot``: per (tp, model) and M, each protocol's time, its floor with the mailbox
     traffic, the two-shot / one-shot ratio; then the crossover measured and the cost model's."""
+    from mhc_core.bench.case import cases
     from mhc_core.protocols import NVLINK_H200
 
     groups = defaultdict(dict)
@@ -63,7 +64,7 @@ def two_shot_table(records) -> str:
                 f"| {m} | {one.us:.1f} | {two.us:.1f} | {two.us / one.us:.2f} | {one.mailbox_floor_us:.1f} | "
                 f"{two.mailbox_floor_us:.1f} |"
             )
-        hidden = {"dsv41": 5120, "glm5": 4096}.get(model)
+        hidden = next((case.hidden for case in cases() if case.key == model), None)
         model_crossover = NVLINK_H200.crossover(tp, hidden) if hidden else None
         lines.append(
             f"crossover measured (loopback, the smallest M from which two-shot stays faster): {crossover}; "

@@ -36,7 +36,12 @@ DSL_DISTRIBUTIONS = {
     "nvidia-cutlass-dsl-libs-cu13": ["cuda-bindings>=12.8", f"nvidia-cutlass-dsl-libs-base=={DSL}"],
 }
 #: Stand-ins with no requirements of their own: both majors of the bindings, and the base dependencies.
-LEAVES = {"cuda-bindings": ["12.9.4", "13.5.0"], "torch": ["2.13.0"], "apache-tvm-ffi": ["0.1.15.post2"]}
+LEAVES = {
+    "cuda-bindings": ["12.9.4", "13.5.0"],
+    "torch": ["2.13.0"],
+    "apache-tvm-ffi": ["0.1.15.post2"],
+    "numpy": ["2.3.0"],  # mhc-core's dependency (issue #49 item 6)
+}
 #: Every extra each package has, alone, and the compiler beside either runtime.
 REQUESTS = ["cu12", "cu13", "jit", "jit,cu12"]
 CUDA_LIBS = {"nvidia-cutlass-dsl-libs-cu12": 12, "nvidia-cutlass-dsl-libs-cu13": 13}

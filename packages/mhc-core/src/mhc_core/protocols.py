@@ -154,6 +154,27 @@ def mailbox_traffic_bytes(protocol: str, tp: int, hidden: int, m: int) -> int:
     return 3 * tp * row if protocol == ONE_SHOT else 6 * row
 
 
+def two_shot_kernel_specs(
+    *, hidden: int, tp: int, threads: int, trigger: str, top_k: int, weights: tuple[str, ...]
+) -> dict[str, tuple[str, dict]]:
+    """The core's kernels a preset's op launches for its two-shot (named as ``kernel_specs`` names
+    kernels: class path and config fields, so the wheels ship them): the scatter publish, the
+    scatter finalize per routing-weight dtype, the reduce. A model adds its boundaries for tp = 1."""
+    from .device.configs import FINALIZE_PUBLISH_KERNEL, PUBLISH_KERNEL, REDUCE_KERNEL
+
+    publish = {"hidden": hidden, "tp": tp, "threads": threads, "trigger": trigger, "store": "unicast"}
+    specs: dict[str, tuple[str, dict]] = {
+        "publish_scatter": (PUBLISH_KERNEL, {**publish, "top_k": 0, "weights": "float32", "scatter": True}),
+    }
+    for weight in weights:
+        specs[f"finalize_scatter_{weight}"] = (
+            FINALIZE_PUBLISH_KERNEL,
+            {**publish, "top_k": top_k, "weights": weight, "scatter": True},
+        )
+    specs["reduce"] = (REDUCE_KERNEL, {"hidden": hidden, "tp": tp, "threads": 128, "lanes": 1})
+    return specs
+
+
 def link_bytes(protocol: str, tp: int, hidden: int, m: int) -> float:
     """Bytes one rank receives from its peers (over NVLink on real GPUs)."""
     row = m * hidden * 2

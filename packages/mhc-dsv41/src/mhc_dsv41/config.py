@@ -43,11 +43,12 @@ from mhc_core.presets import (
     require_tp,
     require_two_shot_min_tokens,
 )
+from mhc_core.protocols import two_shot_kernel_specs
 from mhc_core.routing import MRangeDispatch
 
 #: A plain publish's finalize fields (every config here lists every field: the dict is what a
 #: kernel's key is built from, so it must equal the config dataclass's ``asdict``).
-PLAIN = {"top_k": 0, "weights": "float32"}
+PLAIN = {"top_k": 0, "weights": "float32", "scatter": False}
 
 #: The collective's kernel class (``KernelSpec`` path: named without importing it or the DSL).
 COLLECTIVE_KERNEL = "mhc_dsv41.kernel:LamportMHCKernel"
@@ -345,11 +346,26 @@ class DSV41Preset(CollectiveGeometry):
             "publish_multicast": ("mhc_core.device.publish:PublishKernel", {**publish, "store": "multicast", **PLAIN}),
             "finalize": (
                 "mhc_core.device.publish:FinalizePublishKernel",
-                {**publish, "store": "unicast", "top_k": self.top_k, "weights": "float32"},
+                {**publish, "store": "unicast", "top_k": self.top_k, "weights": "float32", "scatter": False},
             ),
             "collective": (COLLECTIVE_KERNEL, self.collective_config()),
             "collective_persistent": (COLLECTIVE_KERNEL, self.collective_config(persistent=True)),
+            **self._two_shot_specs(),
         }
+
+    def _two_shot_specs(self) -> dict[str, tuple[str, dict[str, Any]]]:
+        """With a two-shot crossover: the core's two-shot kernels and the collectives that end it
+        (``gather_config``: this preset's compiled for tp = 1)."""
+        if self.two_shot_min_tokens is None:
+            return {}
+        specs = two_shot_kernel_specs(
+            hidden=self.hidden, tp=self.tp, threads=self.publish_threads, trigger="after_stores", top_k=self.top_k,
+            weights=("float32",),
+        )  # fmt: skip
+        gather = dataclasses.asdict(gather_config(MHCConfig(**self.collective_config())))
+        specs["gather"] = (COLLECTIVE_KERNEL, gather)
+        specs["gather_persistent"] = (COLLECTIVE_KERNEL, {**gather, "persistent": True})
+        return specs
 
 
 #: The name of the preset a plain ``AllReduceMHC(...)`` describes (``custom_preset``).

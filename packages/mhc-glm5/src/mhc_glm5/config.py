@@ -52,11 +52,12 @@ from mhc_core.presets import (
     require_tp,
     require_two_shot_min_tokens,
 )
+from mhc_core.protocols import two_shot_kernel_specs
 from mhc_core.routing import MRangeDispatch
 
 #: A plain publish's finalize fields (every config here lists every field: the dict is what a
 #: kernel's key is built from, so it must equal the config dataclass's ``asdict``).
-PLAIN = {"top_k": 0, "weights": "float32"}
+PLAIN = {"top_k": 0, "weights": "float32", "scatter": False}
 
 HC = 4
 MIX = 24
@@ -576,7 +577,7 @@ class GLM5Preset:
         for weights in ("float32", "bfloat16"):
             specs[f"finalize_{weights}"] = (
                 "mhc_core.device.publish:FinalizePublishKernel",
-                {**publish, "store": "unicast", "top_k": self.top_k, "weights": weights},
+                {**publish, "store": "unicast", "top_k": self.top_k, "weights": weights, "scatter": False},
             )
         specs[BoundaryTarget(1).kernel_name] = ("mhc_glm5.boundary:BoundaryKernel", self.boundary_config(arch))
         for tokens in self.grouped_sizes:
@@ -589,6 +590,18 @@ class GLM5Preset:
                 PERSISTENT_KERNEL,
                 {**self.boundary_config(arch), "tokens": PERSISTENT_TOKENS, "persistent": True},
             )
+        if self.two_shot_min_tokens is not None:
+            # The core's two-shot kernels, and every boundary compiled for tp = 1 (what ends a two-shot).
+            boundaries = [name for name in specs if name == "boundary" or name.startswith("boundary_")]
+            specs.update(
+                two_shot_kernel_specs(
+                    hidden=self.hidden, tp=self.tp, threads=self.publish_threads, trigger="after_wait",
+                    top_k=self.top_k, weights=("float32", "bfloat16"),
+                )
+            )  # fmt: skip
+            for name in boundaries:
+                path, config = specs[name]
+                specs[f"gather_{name}"] = (path, {**config, "tp": 1})
         specs["mixes"] = (
             "mhc_glm5.mixes:MixesKernel",
             {

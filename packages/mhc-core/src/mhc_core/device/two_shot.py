@@ -84,7 +84,6 @@ class ReduceKernel(DeviceKernel):
         fragment = chunk * config.groups_per_cta + tidx // lanes  # within this rank's slice
         active = fragment < config.slice_fragments
         base = mailbox.iterator.toint()
-        bases = protocol.load_destinations(destinations, tp)
 
         cute.arch.griddepcontrol_wait()
         stage, poisoned = protocol.active_stage(stage_state)
@@ -105,6 +104,8 @@ class ReduceKernel(DeviceKernel):
             words = ptx.sanitize_negative_zero(ptx.f32x8_to_words(total.load()))
             column = rank * config.slice_fragments + fragment
             offset = protocol.slot_bytes(stage, Int32(0), token, column, 1, capacity, config.hidden)
+            # The table is read here, not held across the poll (live through it, it spilled on sm_100a).
+            bases = protocol.load_destinations(destinations, tp)
             for peer in cutlass.range_constexpr(tp):
                 ptx.store_u32x4(bases[peer] + offset, words)
         cute.arch.griddepcontrol_launch_dependents()

@@ -52,7 +52,7 @@ def warm_up(ops: Sequence[GroupMember]) -> None:
         for steps in rounds:
             steps[step].publish()
         for steps in rounds:
-            exchange = steps[step].exchange
+            exchange = getattr(steps[step], "exchange", None)  # a two-shot's reduce (``Plan.exchange``)
             if exchange is not None:
                 exchange()
         for index, steps in enumerate(rounds):

@@ -74,6 +74,7 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "store": "unicast",
                 "top_k": 0,
                 "weights": "float32",
+                "scatter": False,
             },
         ),
         "publish_multicast": (
@@ -86,6 +87,7 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "store": "multicast",
                 "top_k": 0,
                 "weights": "float32",
+                "scatter": False,
             },
         ),
         "finalize": (
@@ -98,6 +100,7 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "store": "unicast",
                 "top_k": 8,
                 "weights": "float32",
+                "scatter": False,
             },
         ),
         "collective": (

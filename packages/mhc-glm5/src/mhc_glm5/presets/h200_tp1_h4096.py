@@ -81,6 +81,7 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "store": "unicast",
                 "top_k": 0,
                 "weights": "float32",
+                "scatter": False,
             },
         ),
         "publish_multicast": (
@@ -93,6 +94,7 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "store": "multicast",
                 "top_k": 0,
                 "weights": "float32",
+                "scatter": False,
             },
         ),
         "finalize_float32": (
@@ -105,6 +107,7 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "store": "unicast",
                 "top_k": 8,
                 "weights": "float32",
+                "scatter": False,
             },
         ),
         "finalize_bfloat16": (
@@ -117,6 +120,7 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "store": "unicast",
                 "top_k": 8,
                 "weights": "bfloat16",
+                "scatter": False,
             },
         ),
         "boundary": (

@@ -77,6 +77,7 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "store": "unicast",
                 "top_k": 0,
                 "weights": "float32",
+                "scatter": False,
             },
         ),
         "publish_multicast": (
@@ -89,6 +90,7 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "store": "multicast",
                 "top_k": 0,
                 "weights": "float32",
+                "scatter": False,
             },
         ),
         "finalize_float32": (
@@ -101,6 +103,7 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "store": "unicast",
                 "top_k": 8,
                 "weights": "float32",
+                "scatter": False,
             },
         ),
         "finalize_bfloat16": (
@@ -113,6 +116,7 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "store": "unicast",
                 "top_k": 8,
                 "weights": "bfloat16",
+                "scatter": False,
             },
         ),
         "boundary": (
