@@ -17,7 +17,9 @@ Per package (``core`` for mhc-core, and one key per model package the registry f
 * ``gpu``, ``multigpu``, ``bench``, ``demo`` — thin wrappers over ``python3 -m pytest -m gpu tests``,
   ``python3 -m torch.distributed.run ... -m tests.multigpu.run``, ``python3 -m benchmarks.run`` and
   ``python3 -m demo``. ``multigpu`` is a matrix, ``multigpu(tp=2|4|8, mode='gpus'|'procs-per-gpu')``;
-  ``nox -s multigpu`` runs every cell the host can.
+  ``nox -s multigpu`` runs every cell the host can. ``bench`` then regenerates the latest-figures
+  page, BENCHMARKS.md, and its plots from ``benchmarks/results/`` (``python3 -m benchmarks.page``; pass
+  ``-- --out benchmarks/results/<date>-<commit>`` to add the run to it); ``bench_page`` only that, no GPU.
   They run in the host's own Python (no venv): a GPU host brings the torch build that matches its
   driver, and the commands work the same where nox is absent, with ``packages/*/src`` on PYTHONPATH.
 """
@@ -323,8 +325,15 @@ def multigpu(session: nox.Session, tp: int, mode: str) -> None:
 
 @nox.session(tags=["bench"], venv_backend="none", default=False)
 def bench(session: nox.Session) -> None:
-    """python3 -m benchmarks.run with the posargs, in the host's Python."""
+    """python3 -m benchmarks.run with the posargs, in the host's Python; then the latest-figures page."""
     session.run("python3", "-m", "benchmarks.run", *session.posargs, env=_source_path(), external=True)
+    bench_page(session)
+
+
+@nox.session(tags=["bench"], venv_backend="none", default=False)
+def bench_page(session: nox.Session) -> None:
+    """BENCHMARKS.md and benchmarks/plots/ from the results files (python3 -m benchmarks.page); no GPU."""
+    session.run("python3", "-m", "benchmarks.page", env=_source_path(), external=True)
 
 
 @nox.session(tags=["demo"], venv_backend="none", default=False)
