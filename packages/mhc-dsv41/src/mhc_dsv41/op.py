@@ -141,7 +141,6 @@ class AllReduceMHC(LamportOp):
             protocol=protocol,
             two_shot_min_tokens=two_shot_min_tokens,
         )
-        LayerInput.checked(layer_input_format, layer_input_bf16, self.hidden_size)  # named as the option
         geometry: dict[str, int] = {}
         for key, value in (("cluster_size", cluster_size), ("threads", threads), ("rank_lanes", rank_lanes)):
             if value is not None:
@@ -170,7 +169,7 @@ class AllReduceMHC(LamportOp):
             fields["staged_tokens"] = check_int("staged_tokens", staged_tokens, minimum=2, maximum=4)
         self.hc_mult = preset.hc
         self.norm_eps = preset.norm_eps
-        self.layer_input = LayerInput.checked(preset.layer_input_format, preset.layer_input_bf16, self.hidden_size)
+        self.layer_input = LayerInput(preset.layer_input_format, preset.layer_input_bf16)  # the preset checked it
         self._quantizes = self.layer_input.quantizes
         self.preset = preset
         self.config = MHCConfig(**fields)
