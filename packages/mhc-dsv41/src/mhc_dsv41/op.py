@@ -227,13 +227,14 @@ class AllReduceMHC(LamportOp):
         if "norm_eps" in options:
             options["norm_eps"] = check_positive_float("norm_eps", options["norm_eps"])  # named as the argument
         changes = preset_changes(preset, options, PRESET_OPTIONS)
+        changed = preset_with(preset, **changes) if changes else preset  # checked before the device is touched
         op = cls.__new__(cls)
         op._init_from_preset(
             preset, publish_trigger=TRIGGER_AFTER_STORES, max_num_tokens=max_num_tokens, device=device, group=group,
             **options,
         )  # fmt: skip
         op._build(
-            preset_with(preset, **changes) if changes else preset, persistent_min_tokens=persistent_min_tokens,
+            changed, persistent_min_tokens=persistent_min_tokens,
             clusters=clusters, staged_tokens=staged_tokens,
         )  # fmt: skip
         return op

@@ -375,6 +375,8 @@ class GLM5Preset:
         require_tp(self.tp)
         require_int("top_k", self.top_k, minimum=1, maximum=MAX_TOP_K)
         require_int("cluster_size", self.cluster_size, minimum=1, maximum=MAX_CLUSTER_SIZE)
+        # The layer input before the geometry's rules: a hidden size its groups do not divide is named as such.
+        check_layer_input(self.hidden, self.cluster_size, self.layer_input_format, self.layer_input_bf16)
         fragments = self.hidden // VEC_BF16
         require(
             fragments % self.cluster_size == 0,
@@ -396,7 +398,6 @@ class GLM5Preset:
             self.cluster_size,
         )
         object.__setattr__(self, "cluster_tokens", check_cluster_tokens(self.cluster_tokens))
-        check_layer_input(self.hidden, self.cluster_size, self.layer_input_format, self.layer_input_bf16)
         fmt = self.layer_input_format
         # Every kernel has >= 25 x cluster_size threads, so one thread per (token, peer) of the second
         # reduction (tokens <= 16) always exists.

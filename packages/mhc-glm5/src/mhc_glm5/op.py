@@ -256,12 +256,13 @@ class AllReduceMhcBoundary(LamportOp):
         changes = preset_changes(preset, options, PRESET_OPTIONS)
         if changes.get("persistent_min_tokens", 0) is None:
             changes["persistent_min_tokens"] = 0
+        changed = preset_with(preset, **changes) if changes else preset  # checked before the device is touched
         op = cls.__new__(cls)
         op._init_from_preset(
             preset, publish_trigger=TRIGGER_AFTER_WAIT, max_num_tokens=max_num_tokens, device=device, group=group,
             **options,
         )  # fmt: skip
-        op._build(preset_with(preset, **changes) if changes else preset, clusters)
+        op._build(changed, clusters)
         return op
 
     @classmethod
