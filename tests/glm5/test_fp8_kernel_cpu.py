@@ -122,11 +122,11 @@ def test_preset_configs_list_the_option() -> None:
 @pytest.mark.parametrize(
     "fields, field, rule",
     [
-        ({"layer_input_format": "fp8"}, "layer_input_format", "must be one of bf16, fp32-g128"),
-        ({"layer_input_format": "FP32-G128"}, "layer_input_format", "must be one of"),
-        ({"layer_input_format": None}, "layer_input_format", "must be one of"),
-        ({"layer_input_bf16": True}, "layer_input_bf16", "expected false"),
-        ({"layer_input_format": "mx-g32", "layer_input_bf16": 1}, "layer_input_bf16", "true or false"),
+        ({"layer_input_format": "fp8"}, "layer_input_format", "expected one of bf16, fp32-g128"),
+        ({"layer_input_format": "FP32-G128"}, "layer_input_format", "expected one of"),
+        ({"layer_input_format": None}, "layer_input_format", "expected a str, one of"),
+        ({"layer_input_bf16": True}, "layer_input_bf16", "expected False"),
+        ({"layer_input_format": "mx-g32", "layer_input_bf16": 1}, "layer_input_bf16", "True or False"),
         # 4608 / 8 / 8 = 72 fragments per CTA: 4.5 groups of 16 fragments (18 of 4).
         ({"hidden": 4608, "layer_input_format": "fp32-g128"}, "cluster_size", "may not straddle"),
         ({"hidden": 4608, "layer_input_format": "ue8m0-g128-packed"}, "cluster_size", "whole groups of 16"),

@@ -40,15 +40,9 @@ dsv41_collect, dsv41_collect_fp8 = OPS.collect_form.bf16, OPS.collect_form.fp8
 
 
 def boundary(
-    op: AllReduceMHC,
-    x: Tensor | MoEOutput,
-    residual: Tensor,
-    post: Tensor,
-    comb: Tensor,
-    pre: Tensor,
-    norm_weight: Tensor,
-    norm_eps: float | None = None,
-) -> tuple[Tensor, ...]:
+    op: AllReduceMHC, x: Tensor | MoEOutput,
+    residual: Tensor, post: Tensor, comb: Tensor, pre: Tensor, norm_weight: Tensor, norm_eps: float | None = None,
+) -> tuple[Tensor, ...]:  # fmt: skip
     """``op(x, ...)`` (``op.finalize`` for a ``MoEOutput`` x) of an ``AllReduceMHC`` through the custom ops
     (``norm_eps`` None: the op's): what the op's call returns, ``(residual_out, layer_input)`` or, with an
     FP8 layer input, ``(residual_out, q, scales[, layer_input])``."""
@@ -58,13 +52,8 @@ def boundary(
 
 def collect(
     op: AllReduceMHC,
-    residual: Tensor,
-    post: Tensor,
-    comb: Tensor,
-    pre: Tensor,
-    norm_weight: Tensor,
-    norm_eps: float | None = None,
-) -> tuple[Tensor, ...]:
+    residual: Tensor, post: Tensor, comb: Tensor, pre: Tensor, norm_weight: Tensor, norm_eps: float | None = None,
+) -> tuple[Tensor, ...]:  # fmt: skip
     """``op.collect(...)`` through the custom ops (after ``mhc_core.host.library.publish_input``;
     ``norm_eps`` None: the op's), returning as ``boundary`` does."""
     norm_eps = op.norm_eps if norm_eps is None else norm_eps

@@ -86,16 +86,9 @@ def _(state, handle, residual_out):
 
 
 def boundary(
-    op: AllReduceMhcBoundary,
-    x: Tensor | MoEOutput,
-    residual: Tensor,
-    post: Tensor,
-    comb: Tensor,
-    fn: Tensor,
-    scale: Tensor,
-    base: Tensor,
-    norm_weight: Tensor,
-) -> tuple[Tensor, ...]:
+    op: AllReduceMhcBoundary, x: Tensor | MoEOutput,
+    residual: Tensor, post: Tensor, comb: Tensor, fn: Tensor, scale: Tensor, base: Tensor, norm_weight: Tensor,
+) -> tuple[Tensor, ...]:  # fmt: skip
     """``op(x, ...)`` of an ``AllReduceMhcBoundary`` through the custom ops (``x``: a tensor or a
     ``MoEOutput``): ``(residual_out, layer_input)``, or with an FP8 layer input ``(residual_out, q,
     scales[, layer_input])``; ``join`` gives ``(post_out, comb_out)``."""
@@ -104,14 +97,8 @@ def boundary(
 
 def collect(
     op: AllReduceMhcBoundary,
-    residual: Tensor,
-    post: Tensor,
-    comb: Tensor,
-    fn: Tensor,
-    scale: Tensor,
-    base: Tensor,
-    norm_weight: Tensor,
-) -> tuple[Tensor, ...]:
+    residual: Tensor, post: Tensor, comb: Tensor, fn: Tensor, scale: Tensor, base: Tensor, norm_weight: Tensor,
+) -> tuple[Tensor, ...]:  # fmt: skip
     """``op.collect(...)`` through the custom ops (after ``mhc_core.host.library.publish_input``),
     returning as ``boundary`` does."""
     return OPS.collect(op, residual, post, comb, fn, scale, base, norm_weight)
