@@ -58,6 +58,7 @@ DEFAULT_RANK_LANES = 1
 #: 64 KiB for 128 threads, so that several CTAs share an SM).
 MAX_TRIP_STREAMS = 16
 
+
 def check_layer_input(fmt: object, both: object, hidden: int, rank_lanes: int, groups_per_cta: int) -> None:
     """The layer-input option's rules for a geometry, each a ``PresetError`` naming the field: the
     core's (``mhc_core.fp8_formats.require_layer_input``), then the FP8 groups' placement
