@@ -39,6 +39,7 @@ SHARED = {
     "mhc_core.constants",
     "mhc_core.presets",
     "mhc_core.compat",
+    "mhc_core.fp8_formats",  # the FP8 format table and the kernel configs' layer-input mixin (pure Python)
     *(model.config_module for model in MODELS.values()),
 }
 

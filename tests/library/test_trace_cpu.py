@@ -21,7 +21,7 @@ HIDDEN, HC, MIX, TOP_K, M = 64, 4, 24, 2, 5
 BF16, F32 = torch.bfloat16, torch.float32
 
 
-def traced(function, *args):
+def traced(function, *args, dynamic: bool | None = None):
     """Compile ``function`` with fullgraph=True through a backend that keeps Dynamo's FX graph,
     run it on ``args`` (fake CUDA tensors), return (outputs, the graph's custom-op calls in order)."""
     import mhc_dsv41.library  # noqa: F401  (registers the ops; no GPU, no DSL)
@@ -34,7 +34,7 @@ def traced(function, *args):
         return gm.forward
 
     torch._dynamo.reset()
-    outputs = torch.compile(function, fullgraph=True, backend=backend)(*args)
+    outputs = torch.compile(function, fullgraph=True, backend=backend, dynamic=dynamic)(*args)
     assert len(graphs) == 1, f"expected one graph (no break), got {len(graphs)}"
     calls = [
         str(node.target).removeprefix("mhc.").split(".")[0]

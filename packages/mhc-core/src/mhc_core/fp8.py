@@ -110,10 +110,22 @@ Sources read (public code; nothing here is copied from them)
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
+
+# The formats themselves: a torch-free table (``mhc_core.fp8_formats``), which the model configs and codegen read.
+from .fp8_formats import (
+    FORMATS,
+    FP32_G128,
+    MX_G32,
+    UE8M0_G128_PACKED,
+    Fp8Format,
+    ScaleEncoding,
+    ScaleLayout,
+    _align,
+    _ceil_div,
+    get_format,
+)
 
 #: Largest finite E4M3 (``float8_e4m3fn``) magnitude.
 E4M3_MAX = 448.0
@@ -127,123 +139,11 @@ UE8M0_BIAS = 127
 #: What every padding byte of a padded scale layout holds.
 SCALE_PADDING_BYTE = 0
 
-ScaleEncoding = Literal["fp32", "ue8m0"]
-ScaleLayout = Literal["row-major", "mn-major-packed", "swizzled-128x4"]
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _align(a: int, b: int) -> int:
-    return _ceil_div(a, b) * b
-
-
-@dataclass(frozen=True)
-class Fp8Format:
-    """One layer-input FP8 format: E4M3 values ``[M, H]`` plus one scale per ``group`` elements of a row.
-
-    ``scale_encoding``: ``"fp32"`` (the scale itself) or ``"ue8m0"`` (a power of two, rounded up,
-    stored as its biased exponent byte). ``layout``: where the scale of (row, group) lives; see the
-    module docstring for each formula, and :meth:`scale_offset` for it as code.
-    """
-
-    name: str
-    group: int
-    scale_encoding: ScaleEncoding
-    layout: ScaleLayout
-    #: Who reads it (documentation).
-    consumers: str
-
-    # ------------------------------------------------------------------ shapes
-    def groups(self, hidden: int) -> int:
-        """Scales per row, ``H / group``; ``hidden`` must be a multiple of the group."""
-        if hidden <= 0 or hidden % self.group:
-            raise ValueError(f"{self.name}: hidden {hidden} is not a positive multiple of the group {self.group}")
-        return hidden // self.group
-
-    @property
-    def scale_dtype(self) -> torch.dtype:
-        return {"row-major": torch.float32, "mn-major-packed": torch.int32, "swizzled-128x4": torch.uint8}[self.layout]
-
-    def scale_shape(self, m: int, hidden: int) -> tuple[int, ...]:
-        """Logical shape of the scale tensor :func:`quantize` returns."""
-        g = self.groups(hidden)
-        if self.layout == "row-major":
-            return (m, g)
-        if self.layout == "mn-major-packed":
-            return (m, _ceil_div(g, 4))
-        return (_align(m, 128) * _align(g, 4),)
-
-    def scale_strides(self, m: int, hidden: int) -> tuple[int, ...]:
-        """Strides (in elements of :attr:`scale_dtype`) of the scale tensor."""
-        g = self.groups(hidden)
-        if self.layout == "row-major":
-            return (g, 1)
-        if self.layout == "mn-major-packed":
-            return (1, _align(m, 4))
-        return (1,)
-
-    def scale_storage_numel(self, m: int, hidden: int) -> int:
-        """Elements of :attr:`scale_dtype` in the allocation, padding included."""
-        g = self.groups(hidden)
-        if self.layout == "row-major":
-            return m * g
-        if self.layout == "mn-major-packed":
-            return _align(m, 4) * _ceil_div(g, 4)
-        return _align(m, 128) * _align(g, 4)
-
-    def scale_storage_bytes(self, m: int, hidden: int) -> int:
-        return self.scale_storage_numel(m, hidden) * self.scale_dtype.itemsize
-
-    def scale_offset(self, row: int, group: int, m: int, hidden: int) -> int:
-        """Byte offset, in the allocation, of the scale of (``row``, ``group``): 4 bytes (FP32) or 1 (UE8M0)."""
-        g = self.groups(hidden)
-        if not (0 <= row < m and 0 <= group < g):
-            raise IndexError(f"{self.name}: (row {row}, group {group}) outside [{m}, {g}]")
-        if self.layout == "row-major":
-            return 4 * (row * g + group)
-        if self.layout == "mn-major-packed":
-            return 4 * ((group // 4) * _align(m, 4) + row) + group % 4
-        col_blocks = _ceil_div(g, 4)
-        return ((row // 128) * col_blocks + group // 4) * 512 + (row % 32) * 16 + ((row % 128) // 32) * 4 + group % 4
-
-    def empty_scales(self, m: int, hidden: int, device: torch.device | str | None = None) -> torch.Tensor:
-        """A zeroed scale tensor of this format's shape, strides and allocation (padding included)."""
-        storage = torch.zeros(self.scale_storage_numel(m, hidden), dtype=self.scale_dtype, device=device)
-        return storage.as_strided(self.scale_shape(m, hidden), self.scale_strides(m, hidden))
-
-
-FP32_G128 = Fp8Format(
-    "fp32-g128",
-    128,
-    "fp32",
-    "row-major",
-    "vLLM/SGLang Triton w8a8 block-FP8 GEMMs (per_token_group_quant_fp8, row-major scales); "
-    "DeepGEMM SM90 / CUTLASS block FP8 after an MN-major transpose",
-)
-UE8M0_G128_PACKED = Fp8Format(
-    "ue8m0-g128-packed",
-    128,
-    "ue8m0",
-    "mn-major-packed",
-    "DeepGEMM SM100 FP8 GEMMs (fp8_gemm_nt, recipe (1, 1, 128), packed int SFA)",
-)
-MX_G32 = Fp8Format(
-    "mx-g32",
-    32,
-    "ue8m0",
-    "swizzled-128x4",
-    "block-scaled MX FP8 GEMMs: cuBLASLt VEC32_UE8M0, CUTLASS sm100 mxf8f6f4, FlashInfer mm_mxfp8",
-)
-FORMATS: dict[str, Fp8Format] = {f.name: f for f in (FP32_G128, UE8M0_G128_PACKED, MX_G32)}
-
-
-def get_format(name: str) -> Fp8Format:
-    try:
-        return FORMATS[name]
-    except KeyError:
-        raise ValueError(f"unknown FP8 layer-input format {name!r}: expected one of {sorted(FORMATS)}") from None
+__all__ = [
+    "E4M3_MAX", "EPS", "FORMATS", "FP32_G128", "MX_G32", "SCALE_PADDING_BYTE", "UE8M0_BIAS", "UE8M0_FLOOR",
+    "UE8M0_G128_PACKED", "Fp8Format", "ScaleEncoding", "ScaleLayout", "dequantize", "get_format", "group_absmax",
+    "group_scales", "pack_scales", "quantize", "unpack_scales",
+]  # fmt: skip
 
 
 def _format(fmt: Fp8Format | str) -> Fp8Format:

@@ -48,22 +48,32 @@ class PresetError(ValueError):
         self.value = value
 
 
+class PresetTypeError(PresetError, TypeError):
+    """A preset value of the wrong type (an op's argument: a ``TypeError``)."""
+
+
 P = TypeVar("P")
 
 
 def argument_preset(build: Callable[..., P], *args: Any, **fields: Any) -> P:
     """``build(*args, **fields)`` (a preset class, or ``dataclasses.replace``) from an op's arguments:
     a broken rule raises a ``ValueError`` named by field, as an argument's error is (not a
-    ``PresetError`` naming a file's key)."""
+    ``PresetError`` naming a file's key; a ``TypeError`` for a value of the wrong type)."""
     try:
         return build(*args, **fields)
     except PresetError as error:
-        raise ValueError(f"{error.key}: {error.rule}; got {error.value!r}") from None
+        kind = TypeError if isinstance(error, TypeError) else ValueError
+        raise kind(f"{error.key}: {error.rule}; got {error.value!r}") from None
 
 
 def require(condition: bool, key: str, rule: str, value: object) -> None:
     if not condition:
         raise PresetError(key, rule, value)
+
+
+def require_type(condition: bool, key: str, rule: str, value: object) -> None:
+    if not condition:
+        raise PresetTypeError(key, rule, value)
 
 
 def require_two_shot_min_tokens(value: object) -> None:

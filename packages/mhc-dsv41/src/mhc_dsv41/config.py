@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mhc_core.constants import SUPPORTED_ARCHS, VEC_BF16, WARP_SIZE
+from mhc_core.fp8_formats import BF16, LayerInputConfig, require_layer_input
 from mhc_core.presets import (
     CTA_RESERVED_SHARED_BYTES,
     MAX_CLUSTER_SIZE,
@@ -30,7 +31,6 @@ from mhc_core.presets import (
     SM_REGISTERS,
     SM_SHARED_BYTES,
     SM_THREADS,
-    PresetError,
     argument_preset,
     preset_repr,
     require,
@@ -59,64 +59,28 @@ DEFAULT_RANK_LANES = 1
 #: 64 KiB for 128 threads, so that several CTAs share an SM).
 MAX_TRIP_STREAMS = 16
 
-#: The layer input's formats (issue #33): BF16, or FP8 E4M3 with one scale per group of columns,
-#: as ``mhc_core.fp8.FORMATS`` (which imports torch, so not here: a CPU test checks they agree)
-#: names them: format -> (group, scale layout).
-LAYER_INPUT_BF16 = "bf16"
-LAYER_INPUT_FP8_FORMATS: dict[str, tuple[int, str]] = {
-    "fp32-g128": (128, "row-major"),
-    "ue8m0-g128-packed": (128, "mn-major-packed"),
-    "mx-g32": (32, "swizzled-128x4"),
-}
-LAYER_INPUT_FORMATS = (LAYER_INPUT_BF16, *LAYER_INPUT_FP8_FORMATS)
-#: The config fields that choose it; left out of a BF16 config's repr, from which the kernel's
-#: symbol name is built (so the BF16 kernels' PTX is what it was before they existed).
-LAYER_INPUT_FIELDS = ("layer_input_format", "layer_input_bf16")
 
-
-def layer_input_problem(
-    fmt: object, both: object, hidden: int, rank_lanes: int, groups_per_cta: int
-) -> tuple[str, str, object] | None:
-    """What is wrong with a layer-input format for a geometry, as ``(field, rule, value)``, or None.
-
-    The FP8 groups' placement (``mhc_dsv41.kernel``): a group of ``group`` columns is ``group / 8``
-    consecutive fragments of one trip, ``rank_lanes`` consecutive threads each, in one CTA (a CTA's
-    ``groups_per_cta`` fragments of a trip start at a multiple of it); its absmax is reduced by
-    shuffles, so those threads must lie in one warp. ``MHCConfig`` and ``DSV41Preset`` both apply it.
-    """
-    if not isinstance(fmt, str) or fmt not in LAYER_INPUT_FORMATS:
-        return "layer_input_format", f"expected one of {', '.join(LAYER_INPUT_FORMATS)}", fmt
-    if not isinstance(both, bool):
-        return "layer_input_bf16", "expected True or False", both
-    if fmt == LAYER_INPUT_BF16:
-        if both:
-            rule = (
-                "asks for the BF16 layer input beside an FP8 one; with layer_input_format "
-                f"{LAYER_INPUT_BF16!r} it is the only one (expected False)"
-            )
-            return "layer_input_bf16", rule, both
-        return None
-    group = LAYER_INPUT_FP8_FORMATS[fmt][0]
-    if hidden % group:
-        return (
-            "layer_input_format",
-            f"{fmt!r} has groups of {group} columns: hidden must be a multiple of {group} ({hidden})",
-            fmt,
-        )
+def check_layer_input(fmt: object, both: object, hidden: int, rank_lanes: int, groups_per_cta: int) -> None:
+    """The layer-input option's rules for a geometry, each a ``PresetError`` naming the field: the
+    core's (``mhc_core.fp8_formats.require_layer_input``), then the FP8 groups' placement
+    (``mhc_dsv41.kernel``): a group of ``group`` columns is ``group / 8`` consecutive fragments of one
+    trip, ``rank_lanes`` consecutive threads each, in one CTA (a CTA's ``groups_per_cta`` fragments
+    of a trip start at a multiple of it); its absmax is reduced by shuffles, so those threads must
+    lie in one warp. ``DSV41Preset`` applies it, and ``MHCConfig`` (its messages name the argument)."""
+    group = require_layer_input(fmt, both, hidden)
+    if not group:
+        return
     fragments = group // VEC_BF16
-    if fragments * rank_lanes > WARP_SIZE:
-        rule = (
-            f"a group of {fmt!r} is {fragments} fragments of rank_lanes threads each, reduced inside one warp, "
-            f"so at most {WARP_SIZE // fragments} rank lanes"
-        )
-        return "rank_lanes", rule, rank_lanes
-    if groups_per_cta % fragments:
-        rule = (
-            f"a CTA's {groups_per_cta} fragments per trip must hold whole groups of {fragments} fragments "
-            f"({fmt!r}: a group may not straddle the cluster's CTAs)"
-        )
-        return "threads", rule, groups_per_cta * rank_lanes
-    return None
+    rule = (
+        f"a group of {fmt!r} is {fragments} fragments of rank_lanes threads each, reduced inside one warp, "
+        f"so at most {WARP_SIZE // fragments} rank lanes"
+    )
+    require(fragments * rank_lanes <= WARP_SIZE, "rank_lanes", rule, rank_lanes)
+    rule = (
+        f"a CTA's {groups_per_cta} fragments per trip must hold whole groups of {fragments} fragments "
+        f"({fmt!r}: a group may not straddle the cluster's CTAs)"
+    )
+    require(groups_per_cta % fragments == 0, "threads", rule, groups_per_cta * rank_lanes)
 
 
 def default_geometry(hidden: int, hc: int, tp: int) -> dict[str, int]:
@@ -249,9 +213,10 @@ class DSV41Preset(CollectiveGeometry):
     #: Whether the geometry was measured on the preset's own target (False: a rule or another
     #: host's values; building the op logs a warning).
     tuned: bool = False
-    #: The layer input's format (``LAYER_INPUT_FORMATS``; issue #33) and whether the BF16 copy is
-    #: written beside an FP8 one: what an op built from the preset returns, and its collectives' configs.
-    layer_input_format: str = LAYER_INPUT_BF16
+    #: The layer input's format (``mhc_core.fp8_formats.LAYER_INPUT_FORMATS``; issue #33) and whether
+    #: the BF16 copy is written beside an FP8 one: what an op built from the preset returns, and its
+    #: collectives' configs.
+    layer_input_format: str = BF16
     layer_input_bf16: bool = False
     #: Calls of at least this many tokens take the two-shot all-reduce (``mhc_core.protocols``); None:
     #: the one-shot for every M. Measured where the preset's host was lent, else the cost model's
@@ -284,11 +249,9 @@ class DSV41Preset(CollectiveGeometry):
             f"trips = {self.trips}, hc = {self.hc}",
             self.cluster_size,
         )
-        problem = layer_input_problem(
+        check_layer_input(
             self.layer_input_format, self.layer_input_bf16, self.hidden, self.rank_lanes, self.groups_per_cta
         )
-        if problem is not None:
-            raise PresetError(*problem)
 
     # ------------------------------------------------------------ geometry (CollectiveGeometry)
     def geometry(self) -> dict[str, Any]:
@@ -403,8 +366,8 @@ def preset_with(preset: DSV41Preset, **changes: Any) -> DSV41Preset:
     return argument_preset(dataclasses.replace, preset, **changes)
 
 
-@dataclass(frozen=True, slots=True)
-class MHCConfig(CollectiveGeometry):
+@dataclass(frozen=True, slots=True, repr=False)
+class MHCConfig(CollectiveGeometry, LayerInputConfig):
     """Compile-time constants of the collective (``mhc_dsv41.kernel``; the geometry rules above)."""
 
     hidden: int
@@ -415,9 +378,9 @@ class MHCConfig(CollectiveGeometry):
     threads: int
     staged_tokens: int = 2
     persistent: bool = False
-    #: The layer input's format (``LAYER_INPUT_FORMATS``): BF16, or FP8 E4M3 quantised in registers
-    #: at the norm's store, with its scales (``mhc_core.device.quant``).
-    layer_input_format: str = LAYER_INPUT_BF16
+    #: The layer input's format (``mhc_core.fp8_formats``; ``LayerInputConfig`` derives the rest): BF16,
+    #: or FP8 E4M3 quantised in registers at the norm's store, with its scales (``mhc_core.device.quant``).
+    layer_input_format: str = BF16
     #: With an FP8 format: store the BF16 layer input too (both from one call).
     layer_input_bf16: bool = False
 
@@ -440,47 +403,11 @@ class MHCConfig(CollectiveGeometry):
         self._check_layer_input()
 
     def _check_layer_input(self) -> None:
-        """The layer-input fields (``layer_input_problem``: the format, and the FP8 groups' placement)."""
-        problem = layer_input_problem(
-            self.layer_input_format, self.layer_input_bf16, self.hidden, self.rank_lanes, self.groups_per_cta
-        )
-        if problem is not None:
-            field_name, rule, value = problem
-            raise ValueError(f"{field_name}: {rule}; got {value!r}")
-
-    def __repr__(self) -> str:
-        # The kernel's symbol name is built from this text: a BF16 config reads as it did before the
-        # layer-input fields existed, so the BF16 kernels' PTX is unchanged.
-        shown = [
-            f"{name}={getattr(self, name)!r}"
-            for name in self.__dataclass_fields__
-            if name not in LAYER_INPUT_FIELDS or self.quantizes
-        ]
-        return f"{type(self).__name__}({', '.join(shown)})"
-
-    @property
-    def quantizes(self) -> bool:
-        """Whether the layer input is FP8 (with its scales)."""
-        return self.layer_input_format != LAYER_INPUT_BF16
-
-    @property
-    def stores_bf16_layer_input(self) -> bool:
-        return not self.quantizes or self.layer_input_bf16
-
-    @property
-    def fp8_group(self) -> int:
-        """Columns per scale (FP8 formats only)."""
-        return LAYER_INPUT_FP8_FORMATS[self.layer_input_format][0]
-
-    @property
-    def scale_layout(self) -> str:
-        """Where each scale goes (``mhc_core.fp8.Fp8Format.layout``; FP8 formats only)."""
-        return LAYER_INPUT_FP8_FORMATS[self.layer_input_format][1]
-
-    @property
-    def scale_groups(self) -> int:
-        """Scales per token, ``hidden / group`` (FP8 formats only)."""
-        return self.hidden // self.fp8_group
+        """The layer-input fields (``check_layer_input``: the format, and the FP8 groups' placement)."""
+        argument_preset(
+            check_layer_input,
+            self.layer_input_format, self.layer_input_bf16, self.hidden, self.rank_lanes, self.groups_per_cta,
+        )  # fmt: skip
 
 
 def gather_config(config: MHCConfig) -> MHCConfig:

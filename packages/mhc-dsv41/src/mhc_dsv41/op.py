@@ -141,7 +141,6 @@ class AllReduceMHC(LamportOp):
             protocol=protocol,
             two_shot_min_tokens=two_shot_min_tokens,
         )
-        LayerInput.checked(layer_input_format, layer_input_bf16, self.hidden_size)  # named as the option
         geometry: dict[str, int] = {}
         for key, value in (("cluster_size", cluster_size), ("threads", threads), ("rank_lanes", rank_lanes)):
             if value is not None:
@@ -170,7 +169,7 @@ class AllReduceMHC(LamportOp):
             fields["staged_tokens"] = check_int("staged_tokens", staged_tokens, minimum=2, maximum=4)
         self.hc_mult = preset.hc
         self.norm_eps = preset.norm_eps
-        self.layer_input = LayerInput.checked(preset.layer_input_format, preset.layer_input_bf16, self.hidden_size)
+        self.layer_input = LayerInput(preset.layer_input_format, preset.layer_input_bf16)  # the preset checked it
         self._quantizes = self.layer_input.quantizes
         self.preset = preset
         self.config = MHCConfig(**fields)
@@ -228,13 +227,14 @@ class AllReduceMHC(LamportOp):
         if "norm_eps" in options:
             options["norm_eps"] = check_positive_float("norm_eps", options["norm_eps"])  # named as the argument
         changes = preset_changes(preset, options, PRESET_OPTIONS)
+        changed = preset_with(preset, **changes) if changes else preset  # checked before the device is touched
         op = cls.__new__(cls)
         op._init_from_preset(
             preset, publish_trigger=TRIGGER_AFTER_STORES, max_num_tokens=max_num_tokens, device=device, group=group,
             **options,
         )  # fmt: skip
         op._build(
-            preset_with(preset, **changes) if changes else preset, persistent_min_tokens=persistent_min_tokens,
+            changed, persistent_min_tokens=persistent_min_tokens,
             clusters=clusters, staged_tokens=staged_tokens,
         )  # fmt: skip
         return op

@@ -65,15 +65,13 @@ from mhc_core.device import protocol, ptx, quant, reduce
 from mhc_core.device.collective import mailbox_params
 from mhc_core.device.kernel import DeviceKernel
 from mhc_core.device.signature import Buffer, Param, Ptr, Scalar, Signature, Stream
+from mhc_core.fp8_formats import BF16, LayerInputConfig
 
 from . import fn_stage, stages
 from .config import (
     CUDA_CORE_FRAGMENTS_PER_WARP,
     FN_ROTATION_STREAMS,
     HC,
-    LAYER_INPUT_BF16,
-    LAYER_INPUT_FIELDS,
-    LAYER_INPUT_FP8_FORMATS,
     VALUES,
     boundary_launch_shared_bytes,
     boundary_threads,
@@ -87,8 +85,8 @@ SCALE_DTYPES = {quant.ROW_MAJOR: Float32, quant.MN_MAJOR_PACKED: Int32, quant.SW
 SCALE_ALIGN = 4
 
 
-@dataclass(frozen=True, slots=True)
-class BoundaryConfig:
+@dataclass(frozen=True, slots=True, repr=False)
+class BoundaryConfig(LayerInputConfig):
     """Compile-time constants of the boundary kernels (rules: ``mhc_glm5.config.GLM5Preset``)."""
 
     hidden: int
@@ -104,38 +102,14 @@ class BoundaryConfig:
     #: The persistent tensor-core boundary: ``clusters`` clusters, each looping over groups of
     #: ``tokens`` (``mhc_glm5.persistent``).
     persistent: bool = False
-    #: The layer input's format (``mhc_glm5.config.LAYER_INPUT_FORMATS``): BF16, or FP8 E4M3
-    #: quantised at the norm's store (``mhc_glm5.fp8_store``); with ``layer_input_bf16`` the BF16
-    #: layer input is stored beside it.
-    layer_input_format: str = LAYER_INPUT_BF16
+    #: The layer input's format (``mhc_core.fp8_formats``; ``LayerInputConfig`` derives the rest and
+    #: the repr): BF16, or FP8 E4M3 quantised at the norm's store (``mhc_glm5.fp8_store``); with
+    #: ``layer_input_bf16`` the BF16 layer input is stored beside it.
+    layer_input_format: str = BF16
     layer_input_bf16: bool = False
 
     def __post_init__(self) -> None:
         check_layer_input(self.hidden, self.cluster_size, self.layer_input_format, self.layer_input_bf16)
-
-    def __repr__(self) -> str:
-        # The kernel's symbol name is built from this text: a BF16 config reads as it did before the
-        # layer-input fields existed, so the BF16 kernels' PTX is unchanged.
-        shown = [
-            f"{name}={getattr(self, name)!r}"
-            for name in self.__dataclass_fields__
-            if name not in LAYER_INPUT_FIELDS or self.quantizes
-        ]
-        return f"{type(self).__name__}({', '.join(shown)})"
-
-    @property
-    def quantizes(self) -> bool:
-        """Whether the layer input is FP8 (with its scales)."""
-        return self.layer_input_format != LAYER_INPUT_BF16
-
-    @property
-    def stores_bf16_layer_input(self) -> bool:
-        return not self.quantizes or self.layer_input_bf16
-
-    @property
-    def scale_layout(self) -> str:
-        """Where each scale goes (``mhc_core.fp8.Fp8Format.layout``; FP8 formats only)."""
-        return LAYER_INPUT_FP8_FORMATS[self.layer_input_format][1]
 
     @property
     def fragments(self) -> int:
@@ -181,7 +155,7 @@ def boundary_signature(config: BoundaryConfig | None = None) -> Signature:
     )
     # A config made without its fields (``BoundaryConfig.__new__``: the recorder kernels of
     # tests.core.test_launch_wiring_cpu, which need only the parameter names) is a BF16 one.
-    if config is not None and getattr(config, "layer_input_format", LAYER_INPUT_BF16) != LAYER_INPUT_BF16:
+    if config is not None and getattr(config, "layer_input_format", BF16) != BF16:
         params += (
             Param("layer_input_q", Ptr(Float8E4M3FN)),
             Param("layer_input_scales", Ptr(SCALE_DTYPES[config.scale_layout], SCALE_ALIGN)),

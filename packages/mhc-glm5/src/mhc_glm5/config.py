@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from mhc_core.constants import SUPPORTED_ARCHS, VEC_BF16, WARP_SIZE
+from mhc_core.fp8_formats import BF16, layer_input_group, require_layer_input
 from mhc_core.presets import (
     MAX_CLUSTER_SIZE,
     MAX_SHARED_BYTES,
@@ -83,27 +84,9 @@ PERSISTENT_MIX_BUFFERS = 2
 GROUPED_MAX_THREADS = 256
 
 
-#: The layer input's formats (issue #33): BF16, or FP8 E4M3 with one scale per group of columns,
-#: as ``mhc_core.fp8.FORMATS`` (which imports torch, so not here: a CPU test checks they agree, and
-#: that they are ``mhc_dsv41.config.LAYER_INPUT_FORMATS``) names them: format -> (group, scale layout).
-LAYER_INPUT_BF16 = "bf16"
-LAYER_INPUT_FP8_FORMATS: dict[str, tuple[int, str]] = {
-    "fp32-g128": (128, "row-major"),
-    "ue8m0-g128-packed": (128, "mn-major-packed"),
-    "mx-g32": (32, "swizzled-128x4"),
-}
-LAYER_INPUT_FORMATS = (LAYER_INPUT_BF16, *LAYER_INPUT_FP8_FORMATS)
-#: The kernel config fields that choose it; left out of a BF16 config's repr, from which the
-#: kernel's symbol name is built (so the BF16 kernels' PTX is what it was before they existed).
-LAYER_INPUT_FIELDS = ("layer_input_format", "layer_input_bf16")
 #: Fragments of a warp: the CUDA-core kernels give a fragment 4 lanes (8 a warp), the tensor-core
 #: ones a lane per fragment and token (4 a warp, ``MMA_FRAGMENTS_PER_WARP``).
 CUDA_CORE_FRAGMENTS_PER_WARP = WARP_SIZE // 4
-
-
-def layer_input_group(layer_input_format: str) -> int:
-    """Columns per scale of an FP8 format; 0 for BF16."""
-    return LAYER_INPUT_FP8_FORMATS[layer_input_format][0] if layer_input_format != LAYER_INPUT_BF16 else 0
 
 
 def layer_input_scratch_bytes(layer_input_format: str, threads: int, tokens: int, fragments_per_warp: int) -> int:
@@ -115,33 +98,13 @@ def layer_input_scratch_bytes(layer_input_format: str, threads: int, tokens: int
 
 
 def check_layer_input(hidden: int, cluster_size: int, layer_input_format: object, layer_input_bf16: object) -> None:
-    """The option's rules, named by field (``require``: a ``PresetError``). A group of ``group``
+    """The option's rules, each a ``PresetError`` naming the field: the core's
+    (``mhc_core.fp8_formats.require_layer_input``), then the groups' placement. A group of ``group``
     columns is ``group / 8`` consecutive fragments; a CTA's fragments must hold whole groups, so
     that no group straddles the cluster's CTAs (``mhc_glm5.fp8_store``)."""
-    require(
-        layer_input_format in LAYER_INPUT_FORMATS,
-        "layer_input_format",
-        f"must be one of {', '.join(LAYER_INPUT_FORMATS)}",
-        layer_input_format,
-    )
-    require(isinstance(layer_input_bf16, bool), "layer_input_bf16", "must be true or false", layer_input_bf16)
-    if layer_input_format == LAYER_INPUT_BF16:
-        require(
-            not layer_input_bf16,
-            "layer_input_bf16",
-            f"asks for the BF16 layer input beside an FP8 one; with layer_input_format {LAYER_INPUT_BF16!r} it is "
-            "the only one (expected false)",
-            layer_input_bf16,
-        )
+    group = require_layer_input(layer_input_format, layer_input_bf16, hidden)
+    if not group:
         return
-    group = layer_input_group(str(layer_input_format))
-    require(
-        hidden % group == 0,
-        "layer_input_format",
-        f"{layer_input_format!r} has groups of {group} columns, so hidden must be a multiple of {group} "
-        f"(hidden = {hidden})",
-        layer_input_format,
-    )
     per_cta = hidden // VEC_BF16 // cluster_size
     require(
         per_cta % (group // VEC_BF16) == 0,
@@ -184,7 +147,7 @@ def boundary_threads(hidden: int, cluster_size: int) -> int:
 ALONE_ON_SM_BYTES = SM_SHARED_BYTES // 2
 
 
-def boundary_launch_shared_bytes(hidden: int, cluster_size: int, layer_input_format: str = LAYER_INPUT_BF16) -> int:
+def boundary_launch_shared_bytes(hidden: int, cluster_size: int, layer_input_format: str = BF16) -> int:
     """What the one-token kernel asks for: its own needs, and at least ``ALONE_ON_SM_BYTES``.
 
     Why: measured on the H200 (hidden 4096, M = 8), the scheduler placed some clusters' CTAs
@@ -194,7 +157,7 @@ def boundary_launch_shared_bytes(hidden: int, cluster_size: int, layer_input_for
     return max(boundary_shared_bytes(hidden, cluster_size, layer_input_format), ALONE_ON_SM_BYTES)
 
 
-def boundary_shared_bytes(hidden: int, cluster_size: int, layer_input_format: str = LAYER_INPUT_BF16) -> int:
+def boundary_shared_bytes(hidden: int, cluster_size: int, layer_input_format: str = BF16) -> int:
     """One-token kernel: the staged ``fn``, the 25-value reduction (warp sums, peer slots, totals),
     then the 1-value one (and the FP8 store's scratch)."""
     threads = boundary_threads(hidden, cluster_size)
@@ -206,9 +169,7 @@ def boundary_shared_bytes(hidden: int, cluster_size: int, layer_input_format: st
     return fn_stage_bytes(fragments, FN_ROTATION_STREAMS) + (first + second) * 4 + scratch
 
 
-def grouped_shared_bytes(
-    hidden: int, cluster_size: int, tokens: int, layer_input_format: str = LAYER_INPUT_BF16
-) -> int:
+def grouped_shared_bytes(hidden: int, cluster_size: int, tokens: int, layer_input_format: str = BF16) -> int:
     """Grouped kernel: every token's 4 residual fragments per group, its 20 mix inputs and reductions
     (and the FP8 store's scratch)."""
     groups = hidden // VEC_BF16 // cluster_size
@@ -228,7 +189,7 @@ def mma_threads(hidden: int, cluster_size: int) -> int:
     return hidden // VEC_BF16 // cluster_size // MMA_FRAGMENTS_PER_WARP * WARP_SIZE
 
 
-def mma_shared_bytes(hidden: int, cluster_size: int, tokens: int, layer_input_format: str = LAYER_INPUT_BF16) -> int:
+def mma_shared_bytes(hidden: int, cluster_size: int, tokens: int, layer_input_format: str = BF16) -> int:
     """Tensor-core kernel: the staged ``fn``, the residual streams (one row per token and source,
     padded like the ``fn`` rows) and their mbarrier, mix inputs, reductions (and the FP8 store's
     scratch)."""
@@ -241,7 +202,7 @@ def mma_shared_bytes(hidden: int, cluster_size: int, tokens: int, layer_input_fo
     return fn_stage_bytes(fragments, FN_ROTATION_ROWS) + staged + floats * 4 + scratch
 
 
-def persistent_shared_bytes(hidden: int, cluster_size: int, layer_input_format: str = LAYER_INPUT_BF16) -> int:
+def persistent_shared_bytes(hidden: int, cluster_size: int, layer_input_format: str = BF16) -> int:
     """The persistent boundary: the staged ``fn``, ``PERSISTENT_BUFFERS`` groups' streams with their
     mbarriers, ``PERSISTENT_MIX_BUFFERS`` groups' mix inputs, reductions with two halves of the
     peers' slots (``ClusterSums.half``) (and the FP8 store's scratch)."""
@@ -265,7 +226,7 @@ def persistent_clusters(sms: int, cluster_size: int) -> int:
     return max(1, sms // cluster_size - 1)
 
 
-def persistent_fits(hidden: int, cluster_size: int, layer_input_format: str = LAYER_INPUT_BF16) -> str | None:
+def persistent_fits(hidden: int, cluster_size: int, layer_input_format: str = BF16) -> str | None:
     """Why the persistent boundary cannot serve this shape, or None when it can."""
     if (hidden // VEC_BF16 // cluster_size) % MMA_FRAGMENTS_PER_WARP:
         return f"hidden / 8 / cluster_size = {hidden // VEC_BF16 // cluster_size} must be a multiple of 4"
@@ -277,9 +238,7 @@ def persistent_fits(hidden: int, cluster_size: int, layer_input_format: str = LA
     return None
 
 
-def grouped_kernel_shared_bytes(
-    hidden: int, cluster_size: int, tokens: int, layer_input_format: str = LAYER_INPUT_BF16
-) -> int:
+def grouped_kernel_shared_bytes(hidden: int, cluster_size: int, tokens: int, layer_input_format: str = BF16) -> int:
     """Shared memory of the kernel that serves ``tokens`` (> 1) tokens per cluster."""
     if tokens in MMA_TOKENS:
         return mma_shared_bytes(hidden, cluster_size, tokens, layer_input_format)
@@ -392,9 +351,9 @@ class GLM5Preset:
     #: Whether the geometry was measured on the preset's own target (False: a rule or another
     #: host's values; building the op logs a warning).
     tuned: bool = False
-    #: The layer input's format (``LAYER_INPUT_FORMATS``): BF16, or FP8 E4M3 with its scales,
+    #: The layer input's format (``mhc_core.fp8_formats.LAYER_INPUT_FORMATS``): BF16, or FP8 E4M3 with its scales,
     #: quantised at the norm's store; ``layer_input_bf16``: the BF16 copy beside the FP8 one.
-    layer_input_format: str = LAYER_INPUT_BF16
+    layer_input_format: str = BF16
     layer_input_bf16: bool = False
     #: Calls of at least this many tokens take the two-shot all-reduce (``mhc_core.protocols``); None:
     #: the one-shot for every M. Measured where the preset's host was lent, else the cost model's
@@ -417,6 +376,8 @@ class GLM5Preset:
         require_tp(self.tp)
         require_int("top_k", self.top_k, minimum=1, maximum=MAX_TOP_K)
         require_int("cluster_size", self.cluster_size, minimum=1, maximum=MAX_CLUSTER_SIZE)
+        # The layer input before the geometry's rules: a hidden size its groups do not divide is named as such.
+        check_layer_input(self.hidden, self.cluster_size, self.layer_input_format, self.layer_input_bf16)
         fragments = self.hidden // VEC_BF16
         require(
             fragments % self.cluster_size == 0,
@@ -438,7 +399,6 @@ class GLM5Preset:
             self.cluster_size,
         )
         object.__setattr__(self, "cluster_tokens", check_cluster_tokens(self.cluster_tokens))
-        check_layer_input(self.hidden, self.cluster_size, self.layer_input_format, self.layer_input_bf16)
         fmt = self.layer_input_format
         # Every kernel has >= 25 x cluster_size threads, so one thread per (token, peer) of the second
         # reduction (tokens <= 16) always exists.

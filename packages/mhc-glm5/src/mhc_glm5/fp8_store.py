@@ -52,7 +52,7 @@ from cutlass import Boolean, Float32, Int32, Int64, Uint32
 from mhc_core.constants import VEC_BF16, WARP_SIZE
 from mhc_core.device import ptx, quant
 
-from .config import LAYER_INPUT_FP8_FORMATS, layer_input_scratch_bytes
+from .config import layer_input_scratch_bytes
 
 #: The FP8 kernels' two outputs beside the BF16 signature (``boundary_signature``): the E4M3 codes
 #: ``[M, hidden]`` and the scales' allocation (``mhc_core.fp8.Fp8Format``'s layout).
@@ -89,7 +89,7 @@ class Fp8Store:
     ) -> Fp8Store:  # fmt: skip
         """The store of a kernel of ``config`` (``BoundaryConfig``) with ``threads`` threads per CTA and
         ``tokens`` tokens per cluster (per group); allocates its shared words after the kernel's own."""
-        group, layout = LAYER_INPUT_FP8_FORMATS[config.layer_input_format]
+        group, layout = config.fp8_group, config.scale_layout
         scratch = None
         words = layer_input_scratch_bytes(config.layer_input_format, threads, tokens, fragments_per_warp) // 4
         if words:

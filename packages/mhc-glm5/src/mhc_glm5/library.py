@@ -21,6 +21,9 @@ unless kept (``mhc_core.host.layer_input``: ``q`` ``float8_e4m3fn [M, hidden]``,
 format's shape, strides and allocation, ``mhc_core.fp8.Fp8Format.empty_scales``); ``mhc::glm5_join``
 is the same for both. Separate ops, so that the BF16 ones keep their schema and cost; the wrappers
 pick by the op's format and return a tuple.
+
+The six boundary ops, their fake implementations and the wrappers' bodies are generated from the
+parameters below (``mhc_core.host.boundary_ops``); the join is written here.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import torch
 from torch import Tensor
 
 from mhc_core.host import library
-from mhc_core.host.layer_input import LayerInput
+from mhc_core.host.boundary_ops import BoundaryOps
 from mhc_core.host.moe import MoEOutput  # at import: an import inside a wrapper costs each call
 
 if TYPE_CHECKING:  # the wrappers below are typed by the op class (imported by the caller already)
@@ -41,13 +44,6 @@ from .config import HC
 
 #: Per handle, the side-stream outputs of the last boundary call, until its join.
 _UNJOINED: dict[int, tuple[Tensor, Tensor]] = {}
-#: The layer input of an op-like object that names none (a stand-in with only ``state`` and
-#: ``handle``, as the demo's and the benchmarks' tracing tests pass): BF16.
-_BF16 = LayerInput()
-
-
-def _layer_input(op: Any) -> LayerInput:
-    return getattr(op, "layer_input", _BF16)
 
 
 def _fused(handle: int, outputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
@@ -66,188 +62,14 @@ def _joined(handle: int, op: Any) -> tuple[Tensor, Tensor]:
     return unjoined
 
 
-@library.custom_op("glm5_boundary")
-def glm5_boundary(
-    state: Tensor,
-    handle: int,
-    x: Tensor,
-    residual: Tensor,
-    post: Tensor,
-    comb: Tensor,
-    fn: Tensor,
-    scale: Tensor,
-    base: Tensor,
-    norm_weight: Tensor,
-) -> tuple[Tensor, Tensor]:
-    return library.run(
-        handle, state, lambda op: _fused(handle, op(x, residual, post, comb, fn, scale, base, norm_weight))
-    )
-
-
-@glm5_boundary.register_fake
-def _(state, handle, x, residual, post, comb, fn, scale, base, norm_weight):
-    return torch.empty_like(residual), torch.empty_like(x)
-
-
-@library.custom_op("glm5_boundary_moe")
-def glm5_boundary_moe(
-    state: Tensor,
-    handle: int,
-    gemm2_permuted: Tensor,
-    expert_weights: Tensor,
-    index: Tensor,
-    shared_output: Tensor,
-    residual: Tensor,
-    post: Tensor,
-    comb: Tensor,
-    fn: Tensor,
-    scale: Tensor,
-    base: Tensor,
-    norm_weight: Tensor,
-) -> tuple[Tensor, Tensor]:
-    moe = MoEOutput(gemm2_permuted, expert_weights, index, shared_output)
-    return library.run(
-        handle, state, lambda op: _fused(handle, op(moe, residual, post, comb, fn, scale, base, norm_weight))
-    )
-
-
-@glm5_boundary_moe.register_fake
-def _(state, handle, gemm2_permuted, expert_weights, index, shared_output, residual, post, comb, fn, scale, base,
-      norm_weight):  # fmt: skip
-    return torch.empty_like(residual), torch.empty_like(shared_output)
-
-
-@library.custom_op("glm5_collect")
-def glm5_collect(
-    state: Tensor,
-    handle: int,
-    residual: Tensor,
-    post: Tensor,
-    comb: Tensor,
-    fn: Tensor,
-    scale: Tensor,
-    base: Tensor,
-    norm_weight: Tensor,
-) -> tuple[Tensor, Tensor]:
-    return library.run(
-        handle, state, lambda op: _fused(handle, op.collect(residual, post, comb, fn, scale, base, norm_weight))
-    )
-
-
-@glm5_collect.register_fake
-def _(state, handle, residual, post, comb, fn, scale, base, norm_weight):
-    return torch.empty_like(residual), residual.new_empty(residual.shape[0], residual.shape[2])
-
-
-# ------------------------------------------------------------------ FP8 layer input
-def _fp8_outputs(
-    residual: Tensor, like: Tensor | None, layer_input_format: str, layer_input_bf16: bool
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The fake outputs: ``like`` is the publish input (x, the MoE shared output) or None (a collect)."""
-    m, hidden = residual.shape[0], residual.shape[2]
-    layer_input = LayerInput(layer_input_format, layer_input_bf16)
-    return layer_input.op_outputs((torch.empty_like(residual), *layer_input.allocate(like, residual, m, hidden)))
-
-
-def _run_fp8(
-    handle: int, state: Tensor, layer_input_format: str, layer_input_bf16: bool, call
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``call(op)`` (the op's outputs) with the side outputs kept for the join, once the op is known to
-    write the format the call's fake implementation assumed."""
-
-    def checked(op: AllReduceMhcBoundary) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        wanted = LayerInput(layer_input_format, layer_input_bf16)
-        if op.layer_input != wanted:
-            raise ValueError(
-                f"layer_input_format: the op behind handle {handle} writes {op.layer_input.format!r} "
-                f"(layer_input_bf16={op.layer_input.keep_bf16}), the call asks for {layer_input_format!r} "
-                f"(layer_input_bf16={layer_input_bf16})"
-            )
-        return wanted.op_outputs(_fused(handle, call(op)))
-
-    return library.run(handle, state, checked)
-
-
-@library.custom_op("glm5_boundary_fp8")
-def glm5_boundary_fp8(
-    state: Tensor,
-    handle: int,
-    x: Tensor,
-    residual: Tensor,
-    post: Tensor,
-    comb: Tensor,
-    fn: Tensor,
-    scale: Tensor,
-    base: Tensor,
-    norm_weight: Tensor,
-    layer_input_format: str,
-    layer_input_bf16: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _run_fp8(
-        handle, state, layer_input_format, layer_input_bf16,
-        lambda op: op(x, residual, post, comb, fn, scale, base, norm_weight),
-    )  # fmt: skip
-
-
-@glm5_boundary_fp8.register_fake
-def _(state, handle, x, residual, post, comb, fn, scale, base, norm_weight, layer_input_format, layer_input_bf16):
-    return _fp8_outputs(residual, x, layer_input_format, layer_input_bf16)
-
-
-@library.custom_op("glm5_boundary_moe_fp8")
-def glm5_boundary_moe_fp8(
-    state: Tensor,
-    handle: int,
-    gemm2_permuted: Tensor,
-    expert_weights: Tensor,
-    index: Tensor,
-    shared_output: Tensor,
-    residual: Tensor,
-    post: Tensor,
-    comb: Tensor,
-    fn: Tensor,
-    scale: Tensor,
-    base: Tensor,
-    norm_weight: Tensor,
-    layer_input_format: str,
-    layer_input_bf16: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    moe = MoEOutput(gemm2_permuted, expert_weights, index, shared_output)
-    return _run_fp8(
-        handle, state, layer_input_format, layer_input_bf16,
-        lambda op: op(moe, residual, post, comb, fn, scale, base, norm_weight),
-    )  # fmt: skip
-
-
-@glm5_boundary_moe_fp8.register_fake
-def _(state, handle, gemm2_permuted, expert_weights, index, shared_output, residual, post, comb, fn, scale, base,
-      norm_weight, layer_input_format, layer_input_bf16):  # fmt: skip
-    return _fp8_outputs(residual, shared_output, layer_input_format, layer_input_bf16)
-
-
-@library.custom_op("glm5_collect_fp8")
-def glm5_collect_fp8(
-    state: Tensor,
-    handle: int,
-    residual: Tensor,
-    post: Tensor,
-    comb: Tensor,
-    fn: Tensor,
-    scale: Tensor,
-    base: Tensor,
-    norm_weight: Tensor,
-    layer_input_format: str,
-    layer_input_bf16: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _run_fp8(
-        handle, state, layer_input_format, layer_input_bf16,
-        lambda op: op.collect(residual, post, comb, fn, scale, base, norm_weight),
-    )  # fmt: skip
-
-
-@glm5_collect_fp8.register_fake
-def _(state, handle, residual, post, comb, fn, scale, base, norm_weight, layer_input_format, layer_input_bf16):
-    return _fp8_outputs(residual, None, layer_input_format, layer_input_bf16)
+#: The six boundary ops, from the boundary's parameters after the input (as
+#: ``AllReduceMhcBoundary.collect`` takes them); each keeps its call's side outputs for the join.
+OPS = BoundaryOps(
+    "glm5", ("residual", "post", "comb", "fn", "scale", "base", "norm_weight"), moe="boundary_moe", returned=_fused
+)
+glm5_boundary, glm5_boundary_fp8 = OPS.plain.bf16, OPS.plain.fp8
+glm5_boundary_moe, glm5_boundary_moe_fp8 = OPS.moe.bf16, OPS.moe.fp8
+glm5_collect, glm5_collect_fp8 = OPS.collect_form.bf16, OPS.collect_form.fp8
 
 
 # ------------------------------------------------------------------ join
@@ -264,69 +86,22 @@ def _(state, handle, residual_out):
 
 
 def boundary(
-    op: AllReduceMhcBoundary,
-    x: Tensor | MoEOutput,
-    residual: Tensor,
-    post: Tensor,
-    comb: Tensor,
-    fn: Tensor,
-    scale: Tensor,
-    base: Tensor,
-    norm_weight: Tensor,
-) -> tuple[Tensor, ...]:
+    op: AllReduceMhcBoundary, x: Tensor | MoEOutput,
+    residual: Tensor, post: Tensor, comb: Tensor, fn: Tensor, scale: Tensor, base: Tensor, norm_weight: Tensor,
+) -> tuple[Tensor, ...]:  # fmt: skip
     """``op(x, ...)`` of an ``AllReduceMhcBoundary`` through the custom ops (``x``: a tensor or a
     ``MoEOutput``): ``(residual_out, layer_input)``, or with an FP8 layer input ``(residual_out, q,
     scales[, layer_input])``; ``join`` gives ``(post_out, comb_out)``."""
-    if library.eager(op, residual):  # the op's own call (``mhc_core.host.library.eager``)
-        # The call and the hand-over of its side outputs, as the custom op. `with`: an interrupt as
-        # acquire() returns would otherwise leave the lock held (``mhc_core.host.eager._call``).
-        with op._lock:
-            return _fused(op.handle, op(x, residual, post, comb, fn, scale, base, norm_weight))
-    fmt = _layer_input(op)
-    if fmt.quantizes:
-        if isinstance(x, MoEOutput):
-            return fmt.call_outputs(
-                torch.ops.mhc.glm5_boundary_moe_fp8(
-                    op.state, op.handle, x.gemm2_permuted, x.expert_weights, x.expanded_idx_to_permuted_idx,
-                    x.shared_output, residual, post, comb, fn, scale, base, norm_weight, fmt.format, fmt.keep_bf16,
-                )
-            )  # fmt: skip
-        return fmt.call_outputs(
-            torch.ops.mhc.glm5_boundary_fp8(
-                op.state, op.handle, x, residual, post, comb, fn, scale, base, norm_weight, fmt.format, fmt.keep_bf16
-            )
-        )
-    if isinstance(x, MoEOutput):
-        return torch.ops.mhc.glm5_boundary_moe(
-            op.state, op.handle, x.gemm2_permuted, x.expert_weights, x.expanded_idx_to_permuted_idx, x.shared_output,
-            residual, post, comb, fn, scale, base, norm_weight,
-        )  # fmt: skip
-    return torch.ops.mhc.glm5_boundary(op.state, op.handle, x, residual, post, comb, fn, scale, base, norm_weight)
+    return OPS.boundary(op, x, residual, post, comb, fn, scale, base, norm_weight)
 
 
 def collect(
     op: AllReduceMhcBoundary,
-    residual: Tensor,
-    post: Tensor,
-    comb: Tensor,
-    fn: Tensor,
-    scale: Tensor,
-    base: Tensor,
-    norm_weight: Tensor,
-) -> tuple[Tensor, ...]:
+    residual: Tensor, post: Tensor, comb: Tensor, fn: Tensor, scale: Tensor, base: Tensor, norm_weight: Tensor,
+) -> tuple[Tensor, ...]:  # fmt: skip
     """``op.collect(...)`` through the custom ops (after ``mhc_core.host.library.publish_input``),
     returning as ``boundary`` does."""
-    if library.eager(op, residual):
-        with op._lock:
-            return _fused(op.handle, op.collect(residual, post, comb, fn, scale, base, norm_weight))
-    fmt = _layer_input(op)
-    if fmt.quantizes:
-        return fmt.call_outputs(
-            torch.ops.mhc.glm5_collect_fp8(
-                op.state, op.handle, residual, post, comb, fn, scale, base, norm_weight, fmt.format, fmt.keep_bf16
-            )
-        )
-    return torch.ops.mhc.glm5_collect(op.state, op.handle, residual, post, comb, fn, scale, base, norm_weight)
+    return OPS.collect(op, residual, post, comb, fn, scale, base, norm_weight)
 
 
 def join(op: AllReduceMhcBoundary, residual_out: Tensor) -> tuple[Tensor, Tensor]:

@@ -176,7 +176,6 @@ class AllReduceMhcBoundary(LamportOp):
             protocol=protocol,
             two_shot_min_tokens=two_shot_min_tokens,
         )
-        LayerInput.checked(layer_input_format, layer_input_bf16, self.hidden_size)  # named as the option
         # Every hidden / cluster rule the presets obey, checked the same way, before anything is
         # built, named by argument; then the one path every op takes (``from_config``'s too).
         preset = custom_preset(
@@ -191,7 +190,7 @@ class AllReduceMhcBoundary(LamportOp):
         """Build the op of ``preset`` (``LamportOp.__init__`` done): kernels, buffers, mailbox, warm-up."""
         if clusters is not None:
             check_int("clusters", clusters, minimum=1, maximum=INT32_MAX)  # an Int32 kernel parameter
-        self.layer_input = LayerInput.checked(preset.layer_input_format, preset.layer_input_bf16, self.hidden_size)
+        self.layer_input = LayerInput(preset.layer_input_format, preset.layer_input_bf16)  # the preset checked it
         _check_thresholds(preset)
         self.preset = preset  # what the startup's config vote compares (``_model_fingerprint``)
         self._build_publishes()
@@ -257,12 +256,13 @@ class AllReduceMhcBoundary(LamportOp):
         changes = preset_changes(preset, options, PRESET_OPTIONS)
         if changes.get("persistent_min_tokens", 0) is None:
             changes["persistent_min_tokens"] = 0
+        changed = preset_with(preset, **changes) if changes else preset  # checked before the device is touched
         op = cls.__new__(cls)
         op._init_from_preset(
             preset, publish_trigger=TRIGGER_AFTER_WAIT, max_num_tokens=max_num_tokens, device=device, group=group,
             **options,
         )  # fmt: skip
-        op._build(preset_with(preset, **changes) if changes else preset, clusters)
+        op._build(changed, clusters)
         return op
 
     @classmethod

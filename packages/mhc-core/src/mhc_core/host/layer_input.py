@@ -10,11 +10,12 @@ the layer input as they are, then
 * an FP8 format with ``layer_input_bf16=True``: ``layer_input_q``, ``layer_input_scales``, then the
   BF16 ``layer_input``.
 
-``LayerInput`` validates the option (``checked``: before any compile or launch, errors naming the
-argument), declares those outputs (``output_rules``: the native executor checks a given ``out=``
-against them, and allocates none: ``allocate`` does, as torch tensors, the fake implementations too)
-and names the kernel parameters they feed (``sources``). Scale tensors are allocated uninitialised:
-the kernels write every byte of them, padding included (poisoned: NaN codes and scales).
+``LayerInput`` holds the option as the op's preset validated it (``mhc_core.fp8_formats``'
+``require_layer_input``: before any compile or launch, errors naming the argument), declares those
+outputs (``output_rules``: the native executor checks a given ``out=`` against them, and allocates
+none: ``allocate`` does, as torch tensors, the fake implementations too) and names the kernel
+parameters they feed (``sources``). Scale tensors are allocated uninitialised: the kernels write
+every byte of them, padding included (poisoned: NaN codes and scales).
 """
 
 from __future__ import annotations
@@ -24,14 +25,14 @@ from typing import Any
 
 import torch
 
-from .. import fp8
+from .. import fp8_formats as fp8
+from ..fp8_formats import BF16, LAYER_INPUT_FORMATS, require_layer_input
+from ..presets import argument_preset
 from .calls import IN_PLACE_LAYER_INPUT, Aligned, M, TensorRule, tensor
 from .programs import Pointer
 
-#: The BF16 layer input (no quantisation).
-BF16 = "bf16"
-#: Every value the option takes.
-FORMATS = (BF16, *fp8.FORMATS)
+#: Every value the option takes (``BF16``, then the FP8 formats).
+FORMATS = LAYER_INPUT_FORMATS
 #: The outputs' names after ``out[i]`` (kernel parameters of the same names).
 Q, SCALES, HIDDEN = "layer_input_q", "layer_input_scales", "layer_input"
 
@@ -50,33 +51,10 @@ class LayerInput:
 
     @classmethod
     def checked(cls, layer_input_format: object, layer_input_bf16: object, hidden_size: int) -> LayerInput:
-        """The option from a constructor's arguments, or a TypeError / ValueError naming the argument.
-        ``hidden_size`` must have been checked already (a positive int)."""
-        if not isinstance(layer_input_format, str):
-            raise TypeError(
-                f"layer_input_format: expected a str, one of {', '.join(FORMATS)}; got "
-                f"{type(layer_input_format).__name__} {layer_input_format!r}"
-            )
-        if layer_input_format not in FORMATS:
-            raise ValueError(f"layer_input_format: expected one of {', '.join(FORMATS)}, got {layer_input_format!r}")
-        if not isinstance(layer_input_bf16, bool):
-            raise TypeError(
-                f"layer_input_bf16: expected a bool, got {type(layer_input_bf16).__name__} {layer_input_bf16!r}"
-            )
-        if layer_input_format == BF16:
-            if layer_input_bf16:
-                raise ValueError(
-                    "layer_input_bf16: asks for the BF16 layer input beside an FP8 one; with layer_input_format "
-                    f"{BF16!r} it is the only one (expected False)"
-                )
-            return cls()
-        group = fp8.get_format(layer_input_format).group
-        if hidden_size % group:
-            raise ValueError(
-                f"layer_input_format: {layer_input_format!r} has one scale per {group} columns, so hidden_size must "
-                f"be a multiple of {group}; got hidden_size = {hidden_size}"
-            )
-        return cls(layer_input_format, layer_input_bf16)
+        """The option from arguments, or a TypeError / ValueError naming the argument: the rules of
+        ``mhc_core.fp8_formats.require_layer_input`` (the ops apply them through their preset)."""
+        argument_preset(require_layer_input, layer_input_format, layer_input_bf16, hidden_size)
+        return cls(layer_input_format, layer_input_bf16)  # type: ignore[arg-type]
 
     @property
     def quantizes(self) -> bool:
@@ -189,11 +167,8 @@ def preset_changes(preset: Any, options: dict[str, Any], names: tuple[str, ...])
     """Pop from ``options`` (a model's ``from_config`` keywords) the preset fields ``names`` an op may
     override, as ``dataclasses.replace`` changes. ``layer_input_format`` given replaces both of the
     preset's layer-input fields (``layer_input_bf16`` False unless given too); a layer-input change
-    is checked as the option (``LayerInput.checked``), before the preset's own rules."""
+    is checked with the rest of the preset's fields, when the changed preset is built."""
     changes = {name: options.pop(name) for name in names if name in options}
     if "layer_input_format" in changes:
         changes.setdefault("layer_input_bf16", False)
-    if "layer_input_bf16" in changes:
-        fmt = changes.get("layer_input_format", preset.layer_input_format)
-        LayerInput.checked(fmt, changes["layer_input_bf16"], preset.hidden)
     return changes
