@@ -31,6 +31,25 @@ def as_device(device: DeviceLike | None) -> torch.device:
     return torch.device(device)
 
 
+def _cpu_only_build() -> str:
+    return (
+        f"this torch ({torch.__version__}) is a CPU-only build, not compiled with CUDA: the ops need a "
+        "CUDA build of torch (install the one that matches your driver)"
+    )
+
+
+def require_cuda_build(device: DeviceLike | None) -> None:
+    """Before anything else a preset's ``build`` checks (issue #49): a CUDA ``device`` however spelled
+    (``"cuda"``, ``"cuda:0"``, ``0``, a ``torch.device``) on a CPU-only torch raises RuntimeError saying
+    so, instead of whichever argument check would come first. Another device is left to the op."""
+    try:
+        target = as_device(device)
+    except (RuntimeError, TypeError, ValueError):
+        return  # the op names the argument
+    if target.type == "cuda" and not torch.backends.cuda.is_built():
+        raise RuntimeError(_cpu_only_build())
+
+
 def device_problem(device: DeviceLike | None = None) -> str | None:
     """Why the ops cannot run on ``device`` (default: the current CUDA device), or None when they can.
     Never raises: an argument that names no CUDA device is a problem too."""
@@ -41,10 +60,7 @@ def device_problem(device: DeviceLike | None = None) -> str | None:
     if target.type != "cuda":
         return f"device: expected a CUDA device, got {target}"
     if not torch.backends.cuda.is_built():
-        return (
-            f"this torch ({torch.__version__}) is a CPU-only build, not compiled with CUDA: the ops need a "
-            "CUDA build of torch (install the one that matches your driver)"
-        )
+        return _cpu_only_build()
     try:
         count = torch.cuda.device_count()
     except RuntimeError as error:  # a driver that fails to initialise

@@ -214,7 +214,10 @@ def build(
     group: Any = None,
     **options: Any,
 ) -> AllReduceMHC:
-    """``AllReduceMHC.from_config(PRESET, ...)``: collective over ``group`` (of size ``PRESET.tp``)."""
+    """``AllReduceMHC.from_config(PRESET, ...)``: collective over ``group`` (of size ``PRESET.tp``). A CUDA
+    ``device`` on a CPU-only torch raises first, however it is spelled."""
+    from mhc_core.host.support import require_cuda_build
     from mhc_dsv41.op import AllReduceMHC as op
 
+    require_cuda_build(device)
     return op.from_config(PRESET, max_num_tokens=max_num_tokens, device=device, group=group, **options)

@@ -347,7 +347,10 @@ def build(
     group: Any = None,
     **options: Any,
 ) -> AllReduceMhcBoundary:
-    """``AllReduceMhcBoundary.from_config(PRESET, ...)``: collective over ``group`` (of size ``PRESET.tp``)."""
+    """``AllReduceMhcBoundary.from_config(PRESET, ...)``: collective over ``group`` (of size ``PRESET.tp``). A CUDA
+    ``device`` on a CPU-only torch raises first, however it is spelled."""
+    from mhc_core.host.support import require_cuda_build
     from mhc_glm5.op import AllReduceMhcBoundary as op
 
+    require_cuda_build(device)
     return op.from_config(PRESET, max_num_tokens=max_num_tokens, device=device, group=group, **options)
