@@ -34,6 +34,7 @@ def stub_core(path: Path, version: str) -> Path:
     package = path / "mhc_core"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text(f'__version__ = "{version}"\n')
+    (package / "version.py").write_text(f'__version__ = "{version}"\n')
     shutil.copy(ROOT / "packages/mhc-core/src/mhc_core/compat.py", package / "compat.py")
     return path
 

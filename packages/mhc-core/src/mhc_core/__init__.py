@@ -16,7 +16,7 @@ import importlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.6.0"
+from .version import __version__
 
 # A library's logger: silent unless the application configures logging (no "No handlers" fallback).
 logging.getLogger("mhc").addHandler(logging.NullHandler())

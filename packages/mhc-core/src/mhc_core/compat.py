@@ -32,9 +32,7 @@ def satisfies_compatible_release(version: str, requirement: str) -> bool:
 def check_core_version(requirement: str, package: str, version: str | None = None) -> None:
     """Raise ImportError naming both versions when mhc-core does not satisfy ``requirement``."""
     if version is None:
-        import mhc_core
-
-        version = mhc_core.__version__
+        from .version import __version__ as version
     if not satisfies_compatible_release(version, requirement):
         raise ImportError(
             f"{package} needs mhc-core {requirement}, but mhc-core {version} is installed; "

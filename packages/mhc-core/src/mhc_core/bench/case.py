@@ -65,10 +65,10 @@ def call(case: BenchmarkCase, op: Any, x: torch.Tensor, args: tuple) -> Any:
 
 def cases() -> list[BenchmarkCase]:
     """Every registered model's case, in key order (models that declare none left out)."""
-    from mhc_core import registry
+    from ..registry import load_object, models
 
     found = []
-    for model in registry.models().values():
+    for model in models().values():
         if model.benchmark_case is not None:
-            found.append(registry.load_object(model.benchmark_case))
+            found.append(load_object(model.benchmark_case))
     return found

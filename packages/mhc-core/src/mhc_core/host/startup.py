@@ -193,9 +193,9 @@ def package_versions(module: str) -> dict[str, str]:
 
     import torch
 
-    import mhc_core
+    from ..version import __version__
 
-    versions = {"torch": str(torch.__version__), "mhc_core": mhc_core.__version__}
+    versions = {"torch": str(torch.__version__), "mhc_core": __version__}
     package = module.partition(".")[0]
     if package != "mhc_core":
         versions[package] = str(getattr(importlib.import_module(package), "__version__", "unknown"))
