@@ -59,9 +59,18 @@ def test_one_device_entry_follows_the_signature() -> None:
     order (but the launch's own: the stream, and ``clusters``, which sizes the persistent grid) and
     hands them to each class's ``body`` as ``BoundaryArgs``, built positionally, so the names must
     line up."""
+    import dataclasses
     import inspect
 
-    from mhc_glm5.boundary import BoundaryArgs, BoundaryKernel, boundary_signature
+    from mhc_glm5.boundary import (
+        BoundaryArgs,
+        BoundaryKernel,
+        BoundaryOutputs,
+        Exchange,
+        MixInputs,
+        SublayerOutput,
+        boundary_signature,
+    )
     from mhc_glm5.grouped import GroupBoundaryKernel
     from mhc_glm5.grouped_mma import MmaGroupBoundaryKernel
 
@@ -70,9 +79,12 @@ def test_one_device_entry_follows_the_signature() -> None:
     assert names[-3:] == ["clusters", "m", "stream"], "clusters and the stream: the launch's alone"
     device = [name for name in names if name not in ("clusters", "stream")]
     assert list(BoundaryArgs._fields) == device
-    # The FP8 outputs (issue #33) follow, None in a BF16 kernel (``Fp8Outputs`` to ``body``).
+    # The device entry takes them in bundles (issue #50), whose fields are those names in order;
+    # the FP8 outputs (issue #33) follow, None in a BF16 kernel (``Fp8Outputs`` to ``body``).
     kernel_params = list(inspect.signature(BoundaryKernel.kernel).parameters)[1:]
-    assert kernel_params == [*device, "layer_input_q", "layer_input_scales"]
+    assert kernel_params == ["inputs", "outputs", "sublayer", "exchange", "m", "layer_input_q", "layer_input_scales"]
+    bundles = (MixInputs, BoundaryOutputs, SublayerOutput, Exchange)
+    assert [field.name for kind in bundles for field in dataclasses.fields(kind)] + ["m"] == device
     from mhc_glm5.persistent import PersistentBoundaryKernel
 
     kinds = (BoundaryKernel, GroupBoundaryKernel, MmaGroupBoundaryKernel, PersistentBoundaryKernel)

@@ -46,7 +46,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float8E4M3FN, Float32, Int32, Int64, Uint8, Uint32
 
 from mhc_core.constants import VEC_BF16
-from mhc_core.device import protocol, ptx, quant, reduce
+from mhc_core.device import bundle, protocol, ptx, quant, reduce
 from mhc_core.device.collective import mailbox_params
 from mhc_core.device.kernel import DeviceKernel
 from mhc_core.device.signature import Param, Ptr, Scalar, Signature, Stream
@@ -150,6 +150,49 @@ class TokenSources:
     x: cute.Pointer
 
 
+# The entry's parameters in bundles (``mhc_core.device.bundle``): ``call_quantized`` builds them,
+# ``_launch`` and the device entry take them; the fields are ``signature()``'s, in its order.
+@dataclass(frozen=True)
+class MixInputs(bundle.KernelBundle):
+    """What the collective mixes with the sublayer output: the residual streams, the post, comb
+    and pre mixes, the norm weight."""
+
+    residual: cute.Pointer
+    post: cute.Pointer
+    comb: cute.Pointer
+    pre: cute.Pointer
+    gamma: cute.Pointer
+
+
+@dataclass(frozen=True)
+class LayerOutputs(bundle.KernelBundle):
+    """The BF16 outputs: the residual streams and the layer input."""
+
+    residual_out: cute.Pointer
+    layer_input: cute.Pointer
+
+
+@dataclass(frozen=True)
+class SublayerOutput(bundle.KernelBundle):
+    """Whether the kernel right before is the publish (``prefetch``), and tp = 1's direct read of
+    the sublayer output ``x`` (``direct``)."""
+
+    prefetch: Int32
+    x: cute.Pointer
+    direct: Int32
+
+
+@dataclass(frozen=True)
+class Exchange(bundle.KernelBundle):
+    """The mailbox and the stage state (``mhc_core.device.collective.mailbox_params``)."""
+
+    mailbox: cute.Tensor
+    stage_state: cute.Tensor
+    capacity: Int32
+    spin_limit_ns: Int64
+    error_flag: Int64
+
+
 class LamportMHCKernel(DeviceKernel):
     name = "collective"
     config_type = MHCConfig
@@ -194,7 +237,7 @@ class LamportMHCKernel(DeviceKernel):
         self, residual, post, comb, pre, gamma, residual_out, layer_input, eps, prefetch, x, direct,
         mailbox, stage_state, capacity, spin_limit_ns, error_flag, clusters, m, stream,
     ):  # fmt: skip
-        self._launch(
+        self.call_quantized(
             residual, post, comb, pre, gamma, residual_out, layer_input, eps, prefetch, x, direct,
             mailbox, stage_state, capacity, spin_limit_ns, error_flag, clusters, m, stream, None, None,
         )  # fmt: skip
@@ -205,54 +248,61 @@ class LamportMHCKernel(DeviceKernel):
         mailbox, stage_state, capacity, spin_limit_ns, error_flag, clusters, m, stream,
         layer_input_q, layer_input_scales,
     ):  # fmt: skip
+        """The FP8 entry (``__call__``, the BF16 one, passes None for the two FP8 outputs)."""
         self._launch(
-            residual, post, comb, pre, gamma, residual_out, layer_input, eps, prefetch, x, direct,
-            mailbox, stage_state, capacity, spin_limit_ns, error_flag, clusters, m, stream,
-            layer_input_q, layer_input_scales,
-        )  # fmt: skip
+            MixInputs(residual, post, comb, pre, gamma),
+            LayerOutputs(residual_out, layer_input),
+            eps,
+            SublayerOutput(prefetch, x, direct),
+            Exchange(mailbox, stage_state, capacity, spin_limit_ns, error_flag),
+            clusters,
+            m,
+            stream,
+            layer_input_q,
+            layer_input_scales,
+        )
 
     def _launch(
-        self, residual, post, comb, pre, gamma, residual_out, layer_input, eps, prefetch, x, direct,
-        mailbox, stage_state, capacity, spin_limit_ns, error_flag, clusters, m, stream,
-        layer_input_q, layer_input_scales,
-    ):  # fmt: skip
+        self,
+        inputs: MixInputs,
+        outputs: LayerOutputs,
+        eps: Float32,
+        sublayer: SublayerOutput,
+        exchange: Exchange,
+        clusters: Int32,
+        m: Int32,
+        stream: Any,
+        layer_input_q: cute.Pointer | None,
+        layer_input_scales: cute.Pointer | None,
+    ):
         """Traced inside either entry (a plain method: the DSL inlines it)."""
         config = self.config
-        self.kernel(
-            residual, post, comb, pre, gamma, residual_out, layer_input, eps, prefetch, x, direct,
-            mailbox, stage_state, capacity, spin_limit_ns, error_flag, m, layer_input_q, layer_input_scales,
-        ).launch(
+        self.kernel(inputs, outputs, eps, sublayer, exchange, m, layer_input_q, layer_input_scales).launch(
             grid=(cutlass.min(m, clusters) if config.persistent else m, config.cluster_size, 1),
             block=(config.threads, 1, 1),
             cluster=(1, config.cluster_size, 1),
             smem=config.shared_bytes,
             stream=stream,
             use_pdl=True,
-        )  # fmt: skip
+        )
 
     @cute.kernel
     def kernel(
         self,
-        residual: cute.Pointer,
-        post: cute.Pointer,
-        comb: cute.Pointer,
-        pre: cute.Pointer,
-        gamma: cute.Pointer,
-        residual_out: cute.Pointer,
-        layer_input: cute.Pointer,
+        inputs: MixInputs,
+        outputs: LayerOutputs,
         eps: Float32,
-        prefetch: Int32,
-        x: cute.Pointer,
-        direct: Int32,
-        mailbox: cute.Tensor,
-        stage_state: cute.Tensor,
-        capacity: Int32,
-        spin_limit_ns: Int64,
-        error_flag: Int64,
+        sublayer: SublayerOutput,
+        exchange: Exchange,
         m: Int32,
         layer_input_q: cute.Pointer,
         layer_input_scales: cute.Pointer,
     ):
+        # The bundles unpacked into the names the body reads (a field read emits nothing).
+        residual, post, comb, pre, gamma = bundle.values(inputs)
+        residual_out, layer_input = bundle.values(outputs)
+        prefetch, x, direct = bundle.values(sublayer)
+        mailbox, stage_state, capacity, spin_limit_ns, error_flag = bundle.values(exchange)
         config = self.config
         hc, tp, lanes, hidden, trips = config.hc, config.tp, config.rank_lanes, config.hidden, config.trips
         groups, mixes, depth = config.groups_per_cta, config.staged_mixes, config.staged_tokens

@@ -61,7 +61,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float8E4M3FN, Float32, Int32, Int64, Uint8, Uint32
 
 from mhc_core.constants import VEC_BF16, WARP_SIZE
-from mhc_core.device import protocol, ptx, quant, reduce
+from mhc_core.device import bundle, protocol, ptx, quant, reduce
 from mhc_core.device.collective import mailbox_params
 from mhc_core.device.kernel import DeviceKernel
 from mhc_core.device.signature import Buffer, Param, Ptr, Scalar, Signature, Stream
@@ -163,6 +163,54 @@ def boundary_signature(config: BoundaryConfig | None = None) -> Signature:
     return params
 
 
+# The entry's parameters in bundles (``mhc_core.device.bundle``): ``call_quantized`` builds them,
+# ``_launch`` and the device entry take them; the fields are ``boundary_signature``'s, in its order.
+@dataclass(frozen=True)
+class MixInputs(bundle.KernelBundle):
+    """What the boundary mixes with the sublayer output: the residual streams, the mixes (post,
+    comb; ``fn``, ``scale`` and ``base`` for the next ones) and the norm weight."""
+
+    residual: cute.Pointer
+    post: cute.Pointer
+    comb: cute.Pointer
+    fn: cute.Pointer
+    scale: cute.Pointer
+    base: cute.Pointer
+    gamma: cute.Pointer
+
+
+@dataclass(frozen=True)
+class BoundaryOutputs(bundle.KernelBundle):
+    """The BF16 outputs: the residual streams, the raw mixes handed off, the layer input."""
+
+    residual_out: cute.Pointer
+    mixes_out: cute.Pointer
+    layer_input: cute.Pointer
+
+
+@dataclass(frozen=True)
+class SublayerOutput(bundle.KernelBundle):
+    """tp = 1's direct read of the sublayer output ``x`` (``direct``), and whether the kernel
+    right before is the publish (``prefetch``)."""
+
+    x: cute.Pointer
+    prefetch: Int32
+    direct: Int32
+
+
+@dataclass(frozen=True)
+class Exchange(bundle.KernelBundle):
+    """The mailbox and the stage state (``mhc_core.device.collective.mailbox_params``), and the
+    clusters' arrival counter."""
+
+    mailbox: cute.Tensor
+    stage_state: cute.Tensor
+    capacity: Int32
+    spin_limit_ns: Int64
+    error_flag: Int64
+    arrivals: cute.Tensor
+
+
 #: The device entry's arguments by name (``boundary_signature`` without what only the launch takes:
 #: the stream, and ``clusters``, which sizes the persistent grid; its kernel reads the grid): what
 #: every boundary kernel's ``body`` reads, so the kernels share one parameter list. A named tuple,
@@ -199,7 +247,7 @@ class BoundaryKernel(DeviceKernel):
         self, residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input, x,
         prefetch, direct, mailbox, stage_state, capacity, spin_limit_ns, error_flag, arrivals, clusters, m, stream,
     ):  # fmt: skip
-        self._launch(
+        self.call_quantized(
             residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input, x, prefetch, direct,
             mailbox, stage_state, capacity, spin_limit_ns, error_flag, arrivals, clusters, m, stream, None, None,
         )  # fmt: skip
@@ -210,32 +258,40 @@ class BoundaryKernel(DeviceKernel):
         prefetch, direct, mailbox, stage_state, capacity, spin_limit_ns, error_flag, arrivals, clusters, m, stream,
         layer_input_q, layer_input_scales,
     ):  # fmt: skip
+        """The FP8 entry (``__call__``, the BF16 one, passes None for the two FP8 outputs)."""
         self._launch(
-            residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input, x, prefetch, direct,
-            mailbox, stage_state, capacity, spin_limit_ns, error_flag, arrivals, clusters, m, stream, layer_input_q,
-            layer_input_scales,
-        )  # fmt: skip
+            MixInputs(residual, post, comb, fn, scale, base, gamma),
+            BoundaryOutputs(residual_out, mixes_out, layer_input),
+            SublayerOutput(x, prefetch, direct),
+            Exchange(mailbox, stage_state, capacity, spin_limit_ns, error_flag, arrivals),
+            Fp8Outputs(layer_input_q, layer_input_scales),
+            clusters,
+            m,
+            stream,
+        )
 
     def _launch(
-        self, residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input, x,
-        prefetch, direct, mailbox, stage_state, capacity, spin_limit_ns, error_flag, arrivals, clusters, m, stream,
-        layer_input_q, layer_input_scales,
-    ):  # fmt: skip
+        self,
+        inputs: MixInputs,
+        outputs: BoundaryOutputs,
+        sublayer: SublayerOutput,
+        exchange: Exchange,
+        fp8: Fp8Outputs,
+        clusters: Int32,
+        m: Int32,
+        stream: Any,
+    ):
         """Traced inside either entry (a plain method: the DSL inlines it)."""
         config = self.config
         groups = stages.group_count(m, config.tokens)
-        self.kernel(
-            residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input, x, prefetch,
-            direct, mailbox, stage_state, capacity, spin_limit_ns, error_flag, arrivals, m, layer_input_q,
-            layer_input_scales,
-        ).launch(
+        self.kernel(inputs, outputs, sublayer, exchange, m, fp8.q, fp8.scales).launch(
             grid=(cutlass.min(groups, clusters) if config.persistent else groups, config.cluster_size, 1),
             block=(self.block_threads(), 1, 1),
             cluster=(1, config.cluster_size, 1),
             smem=self.shared_bytes(),
             stream=stream,
             use_pdl=True,
-        )  # fmt: skip
+        )
 
     def shared_bytes(self) -> int:
         config = self.config
@@ -247,35 +303,18 @@ class BoundaryKernel(DeviceKernel):
     @cute.kernel
     def kernel(
         self,
-        residual: cute.Pointer,
-        post: cute.Pointer,
-        comb: cute.Pointer,
-        fn: cute.Pointer,
-        scale: cute.Pointer,
-        base: cute.Pointer,
-        gamma: cute.Pointer,
-        residual_out: cute.Pointer,
-        mixes_out: cute.Pointer,
-        layer_input: cute.Pointer,
-        x: cute.Pointer,
-        prefetch: Int32,
-        direct: Int32,
-        mailbox: cute.Tensor,
-        stage_state: cute.Tensor,
-        capacity: Int32,
-        spin_limit_ns: Int64,
-        error_flag: Int64,
-        arrivals: cute.Tensor,
+        inputs: MixInputs,
+        outputs: BoundaryOutputs,
+        sublayer: SublayerOutput,
+        exchange: Exchange,
         m: Int32,
         layer_input_q: cute.Pointer,
         layer_input_scales: cute.Pointer,
     ):
         """The device entry of every boundary kernel (one parameter list, so one PTX signature; an
         FP8 kernel's two more are None in a BF16 one); each class's ``body`` is its device code."""
-        args = BoundaryArgs(
-            residual, post, comb, fn, scale, base, gamma, residual_out, mixes_out, layer_input, x, prefetch,
-            direct, mailbox, stage_state, capacity, spin_limit_ns, error_flag, arrivals, m,
-        )  # fmt: skip
+        args = BoundaryArgs(*bundle.values(inputs), *bundle.values(outputs), *bundle.values(sublayer),
+                            *bundle.values(exchange), m)  # fmt: skip
         if cutlass.const_expr(self.config.quantizes):
             self.body(args, Fp8Outputs(layer_input_q, layer_input_scales))
         else:
