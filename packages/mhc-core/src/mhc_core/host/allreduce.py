@@ -214,21 +214,26 @@ def _fits(cached: _Cached | None, settings: tuple[Any, ...], capacity: int) -> b
     return cached is not None and cached.settings == settings and cached.limit >= capacity
 
 
+def _claim(group: Any, slot: tuple[Any, ...], settings: tuple[Any, ...], capacity: int) -> tuple[Any, bool]:
+    """(the slot's op or None, whether it fits and is now counted as used); the caller holds ``_CACHE``."""
+    cached = _OPS.get(group, {}).get(slot)
+    if not _fits(cached, settings, capacity):
+        return cached, False
+    cached.users += 1
+    return cached, True
+
+
 def _take(group: Any, slot: tuple[Any, ...], settings: tuple[Any, ...], capacity: int, m: int) -> _Cached:
     """The slot's op, counted as used (the caller gives it back), replaced first if it does not fit."""
     with _CACHE:
-        cached = _OPS.get(group, {}).get(slot)
-        if _fits(cached, settings, capacity):
-            assert cached is not None
-            cached.users += 1
+        cached, claimed = _claim(group, slot, settings, capacity)
+        if claimed:
             return cached
         build = _BUILDS.setdefault(group, threading.Lock())
     with build:  # one replacement per group at a time; a thread that waited here uses its op
         with _CACHE:
-            cached = _OPS.get(group, {}).get(slot)
-            if _fits(cached, settings, capacity):
-                assert cached is not None
-                cached.users += 1
+            cached, claimed = _claim(group, slot, settings, capacity)
+            if claimed:
                 return cached
         cached = _replace(group, slot, cached, settings, capacity, m)
         with _CACHE:
