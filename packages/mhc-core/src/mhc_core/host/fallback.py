@@ -1,6 +1,6 @@
 """The fallback signal: can the fused ops run on this TP group? An engine asks before it builds them,
 logs the reason when the answer is no, and takes NCCL's all-reduce and the unfused boundary instead
-(README, "Falling back"), as vLLM's custom all-reduce turns itself off.
+(docs/engine-contract.md, "Falling back"), as vLLM's custom all-reduce turns itself off.
 
 ``check_fused_support(group, device, multicast=...)`` checks, for every rank of ``group``:
 
