@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -62,7 +63,11 @@ print(build_wheel(sys.argv[1]))
 
 
 def version_of(package: str) -> str:
-    text = (ROOT / "packages" / package / "src" / PACKAGES[package][0] / "__init__.py").read_text()
+    """The version in the file the package's pyproject names as its one source ([tool.hatch.version])."""
+    folder = ROOT / "packages" / package
+    with (folder / "pyproject.toml").open("rb") as stream:
+        source = tomllib.load(stream)["tool"]["hatch"]["version"]["path"]
+    text = (folder / source).read_text()
     match = re.search(r'^__version__ = "([^"]+)"$', text, re.MULTILINE)
     assert match, f"{package}: no __version__"
     return match.group(1)
