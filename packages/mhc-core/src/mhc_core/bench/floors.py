@@ -14,7 +14,9 @@ def mailbox_bytes(m: int, hidden: int, tp: int) -> int:
     BF16 slot of each token written into this GPU's mailbox, read by its collective and re-armed
     with -0 (3 x tp x M x hidden x 2 bytes; the token-count headers, 16 bytes per rank, left out).
     The (tp - 1) x M x hidden x 2 bytes each rank sends over NVLink are another link's, not counted."""
-    return 3 * tp * m * hidden * 2 if tp > 1 else 0
+    from ..protocols import ONE_SHOT, mailbox_traffic_bytes
+
+    return mailbox_traffic_bytes(ONE_SHOT, tp, hidden, m) if tp > 1 else 0
 
 
 def mailbox_floor(ctx: Any, floor_bytes: int, m: int, hidden: int) -> float | None:
