@@ -93,7 +93,7 @@ def test_kernel_configs_check_the_slices() -> None:
     with pytest.raises(ValueError, match="scatter: expected store 'unicast'"):
         PublishConfig(hidden=5120, tp=8, store="multicast", scatter=True)
     config = ReduceConfig(hidden=5120, tp=8)
-    assert (config.slice_fragments, config.grid_ctas(1), config.grid_ctas(8), config.grid_ctas(256)) == (80, 1, 5, 160)
+    assert (config.slice_fragments, config.ctas_per_token) == (80, 1)
     with pytest.raises(ValueError, match="lanes: expected 1, 2, 4 or 8 dividing tp = 2"):
         ReduceConfig(hidden=5120, tp=2, lanes=4)
 

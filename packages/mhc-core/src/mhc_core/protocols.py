@@ -155,16 +155,14 @@ def mailbox_traffic_bytes(protocol: str, tp: int, hidden: int, m: int) -> int:
 
 
 def two_shot_kernel_specs(
-    *, hidden: int, tp: int, threads: int, top_k: int, weights: tuple[str, ...]
+    *, hidden: int, tp: int, threads: int, trigger: str, top_k: int, weights: tuple[str, ...]
 ) -> dict[str, tuple[str, dict]]:
     """The core's kernels a preset's op launches for its two-shot (named as ``kernel_specs`` names
     kernels: class path and config fields, so the wheels ship them): the scatter publish, the
-    scatter finalize per routing-weight dtype, the reduce. A model adds its boundaries for tp = 1.
-    The scatter publishes release their dependent right after their PDL wait, whatever the model's
-    one-shot publish does (``SCATTER_TRIGGER``)."""
-    from .device.configs import FINALIZE_PUBLISH_KERNEL, PUBLISH_KERNEL, REDUCE_KERNEL, SCATTER_TRIGGER
+    scatter finalize per routing-weight dtype, the reduce. A model adds its boundaries for tp = 1."""
+    from .device.configs import FINALIZE_PUBLISH_KERNEL, PUBLISH_KERNEL, REDUCE_KERNEL
 
-    publish = {"hidden": hidden, "tp": tp, "threads": threads, "trigger": SCATTER_TRIGGER, "store": "unicast"}
+    publish = {"hidden": hidden, "tp": tp, "threads": threads, "trigger": trigger, "store": "unicast"}
     specs: dict[str, tuple[str, dict]] = {
         "publish_scatter": (PUBLISH_KERNEL, {**publish, "top_k": 0, "weights": "float32", "scatter": True}),
     }

@@ -322,7 +322,7 @@ class DSV41Preset(CollectiveGeometry):
         if self.two_shot_min_tokens is None:
             return {}
         specs = two_shot_kernel_specs(
-            hidden=self.hidden, tp=self.tp, threads=self.publish_threads, top_k=self.top_k,
+            hidden=self.hidden, tp=self.tp, threads=self.publish_threads, trigger="after_stores", top_k=self.top_k,
             weights=("float32",),
         )  # fmt: skip
         gather = dataclasses.asdict(gather_config(MHCConfig(**self.collective_config())))

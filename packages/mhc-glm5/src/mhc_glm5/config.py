@@ -555,7 +555,7 @@ class GLM5Preset:
             boundaries = [name for name in specs if name == "boundary" or name.startswith("boundary_")]
             specs.update(
                 two_shot_kernel_specs(
-                    hidden=self.hidden, tp=self.tp, threads=self.publish_threads,
+                    hidden=self.hidden, tp=self.tp, threads=self.publish_threads, trigger="after_wait",
                     top_k=self.top_k, weights=("float32", "bfloat16"),
                 )
             )  # fmt: skip

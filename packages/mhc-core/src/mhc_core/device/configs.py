@@ -23,10 +23,6 @@ STORE_KINDS = (STORE_UNICAST, STORE_MULTICAST, STORE_MULTICAST_LOCAL)
 TRIGGER_AFTER_WAIT = "after_wait"
 TRIGGER_AFTER_STORES = "after_stores"
 TRIGGERS = (TRIGGER_AFTER_WAIT, TRIGGER_AFTER_STORES)
-#: The two-shot's scatter publish, in every model: its dependent, the reduce, reads nothing before its
-#: own PDL wait, so it may launch as soon as the publish has waited (the reduce's grid is then
-#: resident while the publish stores; in loopback every rank's next kernel launches early).
-SCATTER_TRIGGER = TRIGGER_AFTER_WAIT
 WEIGHT_DTYPES = ("float32", "bfloat16")
 
 PUBLISH_KERNEL = "mhc_core.device.publish:PublishKernel"
@@ -158,9 +154,6 @@ class ReduceConfig:
     def groups_per_cta(self) -> int:
         return self.threads // self.lanes
 
-    def grid_ctas(self, m: int) -> int:
-        """CTAs of a launch at ``m`` tokens: the ``m * slice_fragments`` fragments laid end to end over
-        CTAs of ``groups_per_cta``, tokens crossing CTA edges (a slice is 64-160 fragments at the
-        presets' shapes: one CTA per token left up to half its threads idle). ``m`` may be a kernel's
-        Int32: no negative floor division (the DSL's ``//`` on it truncates)."""
-        return (m * self.slice_fragments + self.groups_per_cta - 1) // self.groups_per_cta
+    @property
+    def ctas_per_token(self) -> int:
+        return -(-self.slice_fragments // self.groups_per_cta)

@@ -20,12 +20,8 @@ Stages: the three kernels share the op's one stage state. The scatter publish re
 ACTIVE as a one-shot publish does; this kernel reads ACTIVE and moves nothing; the boundary reads the
 same stage (ACTIVE, or NEXT before its PDL wait) and moves NEXT on. Both mailboxes use that stage as
 their generation, so the op's error word poisons all three kernels, and the one-shot's, alike.
-PDL: this kernel releases its dependent right after its own wait (never before it), so the
-boundary's early loads of its inputs (``prefetch``) come after everything the scatter publish waited
-for; released that early, the boundary's grid (in loopback: the next rank's reduce) is resident and
-past its prologue when this kernel ends. The boundary polls the gather mailbox, which this kernel
-fills, so an early start cannot read a stale row; every CTA of this grid has started before the
-release fires, so the boundary cannot starve it of SMs.
+PDL: this kernel releases its dependent only after its own wait, so the boundary's early loads of its
+inputs (``prefetch``) come after everything the scatter publish waited for.
 """
 
 from __future__ import annotations
@@ -62,8 +58,8 @@ class ReduceKernel(DeviceKernel):
 
     @cute.jit
     def __call__(self, mailbox, stage_state, capacity, spin_limit_ns, error_flag, destinations, rank, m, stream):
-        self.kernel(mailbox, stage_state, capacity, spin_limit_ns, error_flag, destinations, rank, m).launch(
-            grid=(self.config.grid_ctas(m), 1, 1),
+        self.kernel(mailbox, stage_state, capacity, spin_limit_ns, error_flag, destinations, rank).launch(
+            grid=(m, self.config.ctas_per_token, 1),
             block=(self.config.threads, 1, 1),
             stream=stream,
             use_pdl=True,
@@ -79,26 +75,20 @@ class ReduceKernel(DeviceKernel):
         error_flag: Int64,
         destinations: cute.Tensor,
         rank: Int32,
-        m: Int32,
     ):
         config = self.config
         lanes, tp = config.lanes, config.tp
         tidx, _, _ = cute.arch.thread_idx()
-        block, _, _ = cute.arch.block_idx()
+        token, chunk, _ = cute.arch.block_idx()
         lane = tidx % lanes
-        # Fragments of every token end to end (``grid_ctas``): a CTA may hold the end of one token's
-        # slice and the start of the next. The tail's threads past M keep an address inside it.
-        flat = block * config.groups_per_cta + tidx // lanes
-        token = flat // config.slice_fragments
-        fragment = flat - token * config.slice_fragments  # within this rank's slice
-        active = token < m
-        token = cutlass.min(token, m - 1)
+        fragment = chunk * config.groups_per_cta + tidx // lanes  # within this rank's slice
+        active = fragment < config.slice_fragments
         base = mailbox.iterator.toint()
 
         cute.arch.griddepcontrol_wait()
-        cute.arch.griddepcontrol_launch_dependents()
         stage, poisoned = protocol.active_stage(stage_state)
-        leader = (block == 0) & (tidx == 0)
+        leader = (token == 0) & (chunk == 0) & (tidx == 0)
+        m, _, _ = cute.arch.grid_dim()
         total = cute.make_rmem_tensor(cute.make_layout((VEC_BF16,)), Float32)
         poisoned = protocol.poll_and_sum(
             total,
@@ -118,6 +108,7 @@ class ReduceKernel(DeviceKernel):
             bases = protocol.load_destinations(destinations, tp)
             for peer in cutlass.range_constexpr(tp):
                 ptx.store_u32x4(bases[peer] + offset, words)
+        cute.arch.griddepcontrol_launch_dependents()
         protocol.rearm_slots(
             protocol.MailboxView(base, stage, tp, capacity, config.slice_hidden),
             protocol.Slots(token, token, fragment),

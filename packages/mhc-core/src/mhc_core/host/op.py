@@ -68,7 +68,6 @@ from ..device.configs import (
     FINALIZE_PUBLISH_KERNEL,
     PUBLISH_KERNEL,
     REDUCE_KERNEL,
-    SCATTER_TRIGGER,
     STORE_MULTICAST,
     STORE_UNICAST,
     PublishConfig,
@@ -194,11 +193,10 @@ class LamportOp(CallForms, EagerCalls, TwoPhaseCalls, WarmUp, Lifetime, ModelOp)
         self._scatter_configs: dict[Any, PublishConfig] = {}
         self._reduce_config: ReduceConfig | None = None
         if self.protocols.two_shot_from is not None:
-            scatter = {**common, "trigger": SCATTER_TRIGGER, "scatter": True}
             self._scatter_configs = {
-                None: PublishConfig(**scatter),
+                None: PublishConfig(**common, scatter=True),
                 **{
-                    dtype: PublishConfig(**scatter, top_k=self.top_k, weights=WEIGHT_TORCH_DTYPES[dtype])
+                    dtype: PublishConfig(**common, top_k=self.top_k, weights=WEIGHT_TORCH_DTYPES[dtype], scatter=True)
                     for dtype in self._finalize_configs
                 },
             }
