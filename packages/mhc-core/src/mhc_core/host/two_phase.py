@@ -68,8 +68,11 @@ class TwoPhaseCalls:
             program = self._programs.collect
             if self._loopback_two_shot(self._pending_m):
                 # Loopback ranks run one after another: this rank's boundary needs every rank's
-                # reduce, so the first collect runs them all (after every rank's publish).
-                self.group.exchange_pending(self, self._pending_m)
+                # reduce, so the first collect runs them all (after every rank's publish); the later
+                # ranks' collects find theirs run (the earlier ranks have collected by then: their
+                # publishes are no longer pending, and must not be asked for).
+                if not self._exchanged:
+                    self.group.exchange_pending(self, self._pending_m)
                 program = self._programs.gather
             self._in_launch = False
             try:
