@@ -80,10 +80,10 @@ def interleaved_us(steps: list[Step], rounds: int = 40, burst: int = 100) -> dic
 def rows(m: int = 1) -> list[tuple[str, int, float, float, float, int]]:
     """``(label, tp, host us, best host us, wall us, launches)`` of every measured step
     (``interleaved_us``: medians and the best of the rounds)."""
-    from mhc_core.host.calls import M, tensor
-    from mhc_core.host.compiler import compile_kernel, device_arch
-    from mhc_core.host.launch import BoundKernel, current_stream_handle
-    from mhc_core.host.programs import Launch, Pointer, Program
+    from mhc_core.host.binaries.compiler import compile_kernel, device_arch
+    from mhc_core.host.binaries.launch import BoundKernel, current_stream_handle
+    from mhc_core.host.calls.programs import Launch, Pointer, Program
+    from mhc_core.host.calls.rules import M, tensor
 
     device = torch.device("cuda", torch.cuda.current_device())
     steps: list[Step] = []

@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line, flush=True)
 
     from mhc_core.constants import SUPPORTED_ARCHS
-    from mhc_core.host.compiler import compile_kernel
+    from mhc_core.host.binaries.compiler import compile_kernel
 
     unknown_archs = [arch for arch in args.arch if arch not in SUPPORTED_ARCHS]
     if unknown_archs:

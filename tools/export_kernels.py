@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         print(line, flush=True)
 
     from mhc_core import registry
-    from mhc_core.host import artifacts
-    from mhc_core.host.compiler import CALLING_CONVENTION, KernelSpec, compile_kernel
+    from mhc_core.host.binaries import artifacts
+    from mhc_core.host.binaries.compiler import CALLING_CONVENTION, KernelSpec, compile_kernel
 
     if args.model is not None and args.model not in model_keys():
         parser.error(f"--model: expected one of {', '.join(model_keys())}; got {args.model!r}")

@@ -15,7 +15,7 @@ from typing import Any
 
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
-NATIVE = Path("src") / "mhc_core" / "host" / "native"
+NATIVE = Path("src") / "mhc_core" / "host" / "binaries" / "native"
 
 
 class NativeHook(BuildHookInterface):  # type: ignore[misc]
@@ -24,7 +24,7 @@ class NativeHook(BuildHookInterface):  # type: ignore[misc]
             return
         sys.path.insert(0, str(Path(self.root) / "src"))
         try:
-            from mhc_core.host import native
+            from mhc_core.host.binaries import native
         finally:
             sys.path.pop(0)
         target = Path(self.root) / NATIVE / "libmhc_host.so"

@@ -208,7 +208,7 @@ def test_the_graph_sees_the_layers() -> None:
     config, and every declared device module exists."""
     graph = edges()
     assert "mhc_core.device.configs" in graph["mhc_core.host.op"]
-    assert "mhc_core.host.groups" in graph["mhc_core.host.mailbox"]
+    assert "mhc_core.host.ranks.groups" in graph["mhc_core.host.ranks.mailbox"]
     for model in MODELS.values():
         assert model.config_module in graph[model.op_module], model.key
         assert set(model.device_modules) <= set(MODULES), model.key

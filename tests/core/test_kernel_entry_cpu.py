@@ -59,7 +59,7 @@ def test_every_preset_kernels_entry_takes_exactly_its_signature() -> None:
 
 @pytest.mark.parametrize(("layer_input_format", "arguments"), [("bf16", 19), ("fp32-g128", 21)])
 def test_the_compiled_dsv_collective_takes_one_argument_per_param(layer_input_format: str, arguments: int) -> None:
-    from mhc_core.host.compiler import compile_kernel
+    from mhc_core.host.binaries.compiler import compile_kernel
 
     path, config = presets.get("dsv41", "h200-tp1-h5120").KERNELS["sm_90a"]["collective"]
     spec = KernelSpec(path, dict(config, layer_input_format=layer_input_format))

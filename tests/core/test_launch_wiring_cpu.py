@@ -333,7 +333,7 @@ def test_glm_side_stream_forks_before_the_boundary(tp: int) -> None:
 
 
 def test_a_program_forks_its_side_stream_once_before_the_side_launch() -> None:
-    from mhc_core.host.programs import Launch, Program
+    from mhc_core.host.calls.programs import Launch, Program
 
     op, _, _ = glm_op(1)
     boundary, mixes = op._programs.collect.launches

@@ -172,7 +172,7 @@ def test_run_ranks_from_two_threads_never_interleave() -> None:
 def interrupt(program: Any, *, after_launch: bool) -> None:
     """Make ``program``'s next launching native call (not a check-only one) raise KeyboardInterrupt
     as it starts (nothing launched yet) or once it returns (everything launched)."""
-    from mhc_core.host.programs import CHECK_ONLY
+    from mhc_core.host.calls.programs import CHECK_ONLY
 
     real = program.native
 

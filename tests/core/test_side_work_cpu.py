@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mhc_core.host import streams
+from mhc_core.host.calls import streams
 
 
 class FakeStream:

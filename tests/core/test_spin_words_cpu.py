@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from mhc_core.constants import ERROR_CODE, ERROR_NONE, ERROR_RANKS, ERROR_STAGE, ERROR_TOKEN, ROUTE_CODE
-from mhc_core.host import spin
-from mhc_core.host.spin import LamportTimeoutError, RouteIndexError
+from mhc_core.host.calls import spin
+from mhc_core.host.calls.spin import LamportTimeoutError, RouteIndexError
 
 TP = 2
 

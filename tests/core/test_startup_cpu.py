@@ -92,7 +92,7 @@ def test_loopback_ranks_compare_their_configurations():
     """Loopback ranks (one process) vote too: the first rank's fingerprint is what later ranks of the
     same instance must match (rank 0 then fails on the CPU's missing device, after its vote)."""
     from mhc_core import LoopbackGroup
-    from mhc_core.host.startup import StartupError
+    from mhc_core.host.ranks.startup import StartupError
     from mhc_dsv41 import AllReduceMHC
 
     group = LoopbackGroup(2, "cuda:0")

@@ -154,7 +154,7 @@ LOOKUP = f"""
 import sys
 from mhc_core import registry
 from mhc_core.host import artifacts
-from mhc_core.host.compiler import CALLING_CONVENTION
+from mhc_core.host.binaries.compiler import CALLING_CONVENTION
 toy = registry.model("toy")
 presets = __import__(toy.presets_package, fromlist=["get"])
 module = presets.get({PRESET!r})

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from mhc_core.host import library
 from mhc_core.host.boundary_ops import BoundaryOps
-from mhc_core.host.moe import MoEOutput  # at import: an import inside a wrapper costs each call
+from mhc_core.host.calls.moe import MoEOutput  # at import: an import inside a wrapper costs each call
 
 if TYPE_CHECKING:  # the wrappers below are typed by the op class (imported by the caller already)
     from .op import AllReduceMhcBoundary

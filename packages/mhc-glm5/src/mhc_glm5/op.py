@@ -41,15 +41,15 @@ from typing import Any, cast
 import torch
 
 from mhc_core.device.configs import TRIGGER_AFTER_WAIT
-from mhc_core.host.calls import IN_PLACE_LAYER_INPUT, M, Rule, TensorRule, tensor
-from mhc_core.host.compiler import CompiledKernel, KernelSpec
-from mhc_core.host.layer_input import LayerInput, preset_changes
-from mhc_core.host.moe import MoEOutput
+from mhc_core.host.binaries.compiler import CompiledKernel, KernelSpec
+from mhc_core.host.calls.layer_input import LayerInput, preset_changes
+from mhc_core.host.calls.moe import MoEOutput
+from mhc_core.host.calls.programs import DIM_M, Fixed, Launch, Pointer, Source, pointers
+from mhc_core.host.calls.rules import IN_PLACE_LAYER_INPUT, M, Rule, TensorRule, tensor
+from mhc_core.host.calls.streams import SideWork
+from mhc_core.host.calls.validation import INT32_MAX, check_int
 from mhc_core.host.op import MAX_NUM_TOKENS, LamportOp
-from mhc_core.host.programs import DIM_M, Fixed, Launch, Pointer, Source, pointers
-from mhc_core.host.startup import collective
-from mhc_core.host.streams import SideWork
-from mhc_core.host.validation import INT32_MAX, check_int
+from mhc_core.host.ranks.startup import collective
 from mhc_core.presets import MAX_TOP_K, warn_if_untuned
 from mhc_core.protocols import ONE_SHOT, TWO_SHOT
 

@@ -26,8 +26,8 @@ import torch
 from torch import Tensor
 
 from . import library
-from .layer_input import LayerInput
-from .moe import MoEOutput
+from .calls.layer_input import LayerInput
+from .calls.moe import MoEOutput
 
 #: The MoE input's parameters, as ``mhc::all_reduce_moe`` and ``mhc::publish_moe`` name them.
 MOE_INPUTS = ("gemm2_permuted", "expert_weights", "index", "shared_output")

@@ -15,8 +15,8 @@ import torch
 
 from ..constants import ERROR_CLOSED, ERROR_COPY, ERROR_WORD
 from . import library
-from .mailbox import LamportMailbox
-from .streams import captures_in_progress
+from .calls.streams import captures_in_progress
+from .ranks.mailbox import LamportMailbox
 
 #: Ops a CUDA graph captured, by id, kept alive until ``close()``: a graph may replay them any time.
 _CAPTURED: dict[int, Any] = {}

@@ -75,23 +75,24 @@ from ..device.configs import (
 )
 from ..presets import MAX_TOP_K
 from ..protocols import ONE_SHOT, TWO_SHOT, ProtocolChoice, choose_protocol
-from . import artifacts, library
-from .allocation import choose_allocation, device_identity, requested_allocation
-from .call_forms import CallForms, Programs
-from .compiler import LOG, CompiledKernel, KernelSpec, compile_kernel, device_arch
-from .contract import ModelOp, OpPreset
-from .eager import EagerCalls
-from .groups import SUPPORTED_TP, normalize_device, resolve_group
+from . import library
+from .binaries import artifacts
+from .binaries.compiler import LOG, CompiledKernel, KernelSpec, compile_kernel, device_arch
+from .calls.call_forms import CallForms, Programs
+from .calls.contract import ModelOp, OpPreset
+from .calls.eager import EagerCalls
+from .calls.moe import MOE_FIELDS
+from .calls.spin import SpinGuard, resolve_timeout_ms
+from .calls.streams import CallOrder
+from .calls.two_phase import Plan, TwoPhaseCalls
+from .calls.validation import check_int
+from .calls.warmup import WarmUp
 from .lifetime import _CAPTURED, _RETIRED, Lifetime, OpPoisonedError
-from .mailbox import LamportMailbox, MailboxLayout, resolve_transport
-from .moe import MOE_FIELDS
-from .spin import SpinGuard, resolve_timeout_ms
-from .startup import Startup, package_versions
-from .startup import active as active_startup
-from .streams import CallOrder
-from .two_phase import Plan, TwoPhaseCalls
-from .validation import check_int
-from .warmup import WarmUp
+from .ranks.allocation import choose_allocation, device_identity, requested_allocation
+from .ranks.groups import SUPPORTED_TP, normalize_device, resolve_group
+from .ranks.mailbox import LamportMailbox, MailboxLayout, resolve_transport
+from .ranks.startup import Startup, package_versions
+from .ranks.startup import active as active_startup
 
 __all__ = [
     "MAX_HIDDEN",
@@ -370,8 +371,8 @@ class LamportOp(CallForms, EagerCalls, TwoPhaseCalls, WarmUp, Lifetime, ModelOp)
 
     def _kernels_fingerprint(self) -> dict[str, Any]:
         """The arch and every kernel's full key (``mhc_core.host.artifacts.kernel_key``): the ``kernels`` vote."""
-        from .artifacts import kernel_key
-        from .compiler import CALLING_CONVENTION
+        from .binaries.artifacts import kernel_key
+        from .binaries.compiler import CALLING_CONVENTION
 
         symbols = sorted({kernel_key(spec, self.arch, CALLING_CONVENTION).symbol for spec in self._kernel_specs})
         return {"arch": self.arch, "kernels": symbols}

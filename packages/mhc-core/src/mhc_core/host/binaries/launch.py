@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import tvm_ffi
 
-from ..device.signature import Buffer, Kind, Ptr, Signature, Stream
+from ...device.signature import Buffer, Kind, Ptr, Signature, Stream
 
 
 def _raw_stream_getter() -> Callable[[int], int]:

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from ..constants import STAGE_STATE_WORDS
-from ..protocols import ONE_SHOT, TWO_SHOT
-from .calls import ROWS, M, Rule, TensorRule, tensor
+from ...constants import STAGE_STATE_WORDS
+from ...protocols import ONE_SHOT, TWO_SHOT
 from .programs import AFTER_PUBLISH, DIM_M, DIM_ROWS, Fixed, Launch, Pointer, Program, Source
+from .rules import ROWS, M, Rule, TensorRule, tensor
 from .streams import SideWork
 
 #: A launch and the protocol it belongs to (None: both).

@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
-from ..constants import ARCH_BY_CAPABILITY, SUPPORTED_ARCHS
-from ..device.kernel import DeviceKernel, KernelSpec
+from ...constants import ARCH_BY_CAPABILITY, SUPPORTED_ARCHS
+from ...device.kernel import DeviceKernel, KernelSpec
 
 __all__ = ["CompileReport", "CompiledKernel", "KernelSpec", "compile_kernel", "device_arch", "kernel_from_spec"]
-from ..device.signature import Signature
+from ...device.signature import Signature
 
 #: Part of every compile key: how the host calls the compiled function (``mhc_core.host.launch``).
 CALLING_CONVENTION = "tvm-ffi"
@@ -209,7 +209,7 @@ def _compile(kernel: DeviceKernel | None, spec: KernelSpec, arch: str, inspect: 
     if kernel is None:
         kernel = spec.instantiate()
 
-    from ..device.signature import fake_arguments
+    from ...device.signature import fake_arguments
 
     options = f"--gpu-arch {arch} {COMPILE_OPTIONS}"
     signature = kernel.signature()

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .compiler import LOG
+from ..binaries.compiler import LOG
 
 STAGES = ("config", "kernels", "mapped", "ready")
 
@@ -193,7 +193,7 @@ def package_versions(module: str) -> dict[str, str]:
 
     import torch
 
-    from ..version import __version__
+    from ...version import __version__
 
     versions = {"torch": str(torch.__version__), "mhc_core": __version__}
     package = module.partition(".")[0]

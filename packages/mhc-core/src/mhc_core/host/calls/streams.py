@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .launch import current_stream_handle
+from ..binaries.launch import current_stream_handle
 
 #: Whether the current stream captures: torch's C accessor (what is_current_stream_capturing calls).
 _is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)

@@ -318,7 +318,7 @@ def normalize_device(device: torch.device | str | int) -> torch.device:
     """A CUDA device with an explicit index (``"cuda"`` means the current one). Resolving the current
     device is the first CUDA query: where it cannot be made (a CPU-only torch, no visible GPU) a
     RuntimeError says which (``mhc_core.host.support``) instead of torch's AssertionError."""
-    from .support import as_device, require_device
+    from ..binaries.support import as_device, require_device
 
     device = as_device(device)
     if device.type != "cuda":

@@ -13,9 +13,9 @@ from typing import Any, NoReturn
 
 import torch
 
-from .calls import Rule, check_call, check_storage
 from .moe import MOE_FIELDS, MoEOutput
 from .programs import AFTER_PUBLISH_FLAG, CHECK_ONLY, FRESH_OUTPUTS, RECORD_DONE, Program
+from .rules import Rule, check_call, check_storage
 
 
 class EagerCalls:

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from ..constants import ARCH_BY_CAPABILITY, SUPPORTED_ARCHS
+from ...constants import ARCH_BY_CAPABILITY, SUPPORTED_ARCHS
 
 #: What ``torch.device(...)`` accepts for a device.
 DeviceLike = torch.device | str | int

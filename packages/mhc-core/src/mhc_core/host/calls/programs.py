@@ -25,9 +25,9 @@ from typing import Any
 import torch
 import tvm_ffi
 
-from ..device.signature import Buffer, Ptr, Signature, Stream
-from . import native
-from .calls import ROWS, Aligned, Dim, M, Rule, ScalarRule, TensorRule
+from ...device.signature import Buffer, Ptr, Signature, Stream
+from ..binaries import native
+from .rules import ROWS, Aligned, Dim, M, Rule, ScalarRule, TensorRule
 
 #: ``flags`` bits (``executor.cc``).
 CHECK_ONLY = 1

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..constants import HEADER_ENTRY_BYTES, LAMPORT_GENERATIONS, STAGE_STATE_WORDS
+from ...constants import HEADER_ENTRY_BYTES, LAMPORT_GENERATIONS, STAGE_STATE_WORDS
 from .groups import RankGroup
 
 TRANSPORT_ENV = "MHC_TRANSPORT"

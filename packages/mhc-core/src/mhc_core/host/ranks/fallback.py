@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
+from ..binaries.support import DeviceLike, as_device, device_problem
 from .groups import SUPPORTED_TP, LoopbackGroup, LoopbackRank
-from .support import DeviceLike, as_device, device_problem
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..constants import NEGATIVE_ZERO_BF16
+from ...constants import NEGATIVE_ZERO_BF16
 
 ALLOCATION_ENV = "MHC_MAILBOX_ALLOCATION"
 ALLOCATIONS = ("auto", "symmetric", "ipc")

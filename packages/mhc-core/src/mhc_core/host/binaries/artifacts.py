@@ -67,9 +67,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import registry
-from ..device.kernel import KernelSpec
-from ..device.signature import Signature, from_json, to_json
+from ... import registry
+from ...device.kernel import KernelSpec
+from ...device.signature import Signature, from_json, to_json
 from . import cache_files, verified
 from .source_form import normal_form
 
