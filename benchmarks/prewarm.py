@@ -1,4 +1,4 @@
-"""Compile a suite's kernels ahead, in parallel, into the on-disk kernel cache (``mhc_core.host.artifacts``).
+"""Compile a suite's kernels ahead, in parallel, into the on-disk kernel cache (``mhc_core.host.binaries.artifacts``).
 
 An op compiles the kernels no package ships one after another when it is built (several seconds each
 on the H200 host, one core each); the FP8 suite builds 2 x 3 x 2 such ops. ``prewarm`` compiles them

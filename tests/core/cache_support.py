@@ -280,7 +280,7 @@ class BuildCalled(Exception):
 
 
 def fake_native(patch: Any = None, *, template: Path | None = None, fake_load: bool = False) -> list[Path]:
-    """Point ``mhc_core.host.native`` at no installed library, and replace its build (a copy of
+    """Point ``mhc_core.host.binaries.native`` at no installed library, and replace its build (a copy of
     ``template``, else ``BuildCalled``) and, with ``fake_load``, its load (no tvm_ffi). The targets
     built, as a list that fills up."""
     from mhc_core.host.binaries import native

@@ -230,7 +230,7 @@ def test_a_stuck_lock_holder_is_named_and_outwaited(how: str, what: str, tmp_pat
 @pytest.fixture(scope="module")
 def host_library(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real host library, built as a checkout or the wheel build does
-    (``python3 -m mhc_core.host.native TARGET``: its record beside it, where the build writes one)."""
+    (``python3 -m mhc_core.host.binaries.native TARGET``: its record beside it, where the build writes one)."""
     if shutil.which("c++") is None and not os.environ.get("CXX"):
         pytest.skip("building the host library needs a C++ compiler")
     target = tmp_path_factory.mktemp("installed") / "libmhc_host.so"

@@ -1,5 +1,5 @@
 """The core's host modules name no model (issue #35 part 3): a model's op declares what the core
-needs of it (``mhc_core.host.contract.ModelOp``: its hooks and ``model_device_state``), so no
+needs of it (``mhc_core.host.calls.contract.ModelOp``: its hooks and ``model_device_state``), so no
 identifier or string of ``mhc_core.host`` is a model's name or one of its ops' own attributes.
 Comments and docstrings may still say which model motivated a mechanism.
 

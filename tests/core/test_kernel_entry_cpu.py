@@ -1,6 +1,6 @@
 """A compiled kernel takes exactly the parameters its ``signature()`` lists, and nothing else.
 
-The host (``mhc_core.host.programs``, the C++ executor) passes one argument per ``Param``; TVM-FFI's
+The host (``mhc_core.host.calls.programs``, the C++ executor) passes one argument per ``Param``; TVM-FFI's
 entry point expects one per parameter of the ``@cute.jit`` function the compiler traced, a
 defaulted ``None`` one included. At e2879c6 the DSV collective's ``__call__`` ended in
 ``layer_input_q=None, layer_input_scales=None`` (issue #33's FP8 outputs), so every BF16 DSV kernel

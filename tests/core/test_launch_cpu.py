@@ -210,7 +210,7 @@ def test_a_kernels_source_hash_covers_device_code_only() -> None:
     """A kernel's key hashes the modules it runs with: its device modules and the package
     ``__init__`` files they pass through, never the host side (a model package's ``__init__`` names
     its op under ``TYPE_CHECKING``). A host change (the compiler, an op) must not make every shipped
-    kernel look stale: on the H200 a change to ``host/compiler.py`` did, for GLM's boundary kernels."""
+    kernel look stale: on the H200 a change to ``host/binaries/compiler.py`` did, for GLM's boundary kernels."""
     import importlib
 
     from mhc_core import registry

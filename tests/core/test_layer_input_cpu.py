@@ -1,4 +1,4 @@
-"""The layer-input option's core plumbing (issue #33, ``mhc_core.host.layer_input``), model-neutral:
+"""The layer-input option's core plumbing (issue #33, ``mhc_core.host.calls.layer_input``), model-neutral:
 the option's validation, the outputs' rules (the native executor's dtypes, aligned extents, strides
 and storage), their allocation against ``mhc_core.fp8.Fp8Format.empty_scales`` (real tensors and
 symbolic sizes), and the kernel sources. The ops' use of it: ``tests/dsv41/test_fp8_op_cpu.py``."""

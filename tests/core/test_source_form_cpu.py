@@ -1,7 +1,7 @@
 """A kernel key's normal form of a module is the same under every Python release (issue #34): a wheel
 built under one release must find its kernels on a host running another (the H200 host runs 3.12,
 wheels here are built under 3.11; ``ast.dump`` differs between them and 3.13). Each interpreter
-found here loads ``mhc_core/host/source_form.py`` alone and hashes every module of the packages."""
+found here loads ``mhc_core/host/binaries/source_form.py`` alone and hashes every module of the packages."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The host side of the pinned error report (``mhc_core.host.spin.SpinGuard``) without numpy.
+"""The host side of the pinned error report (``mhc_core.host.calls.spin.SpinGuard``) without numpy.
 
 ``SpinGuard`` reads the words the kernels store into pinned host memory through a ctypes view of
 that address (it used ``Tensor.numpy()``, which made numpy a dependency of mhc-core for this one

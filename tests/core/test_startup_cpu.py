@@ -1,4 +1,4 @@
-"""The startup every rank agrees on (``mhc_core.host.startup``), with real processes over a gloo
+"""The startup every rank agrees on (``mhc_core.host.ranks.startup``), with real processes over a gloo
 group on a CPU: ranks built with different configurations, or one rank whose construction fails,
 raise on every rank before anything is allocated, and no rank waits for a peer that will never
 come. (The votes run before the device is touched, so a CPU shows them; what follows them needs a

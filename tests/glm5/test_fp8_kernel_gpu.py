@@ -1,5 +1,5 @@
 """The GLM-5.3 boundary kernels' FP8 layer input on the GPU (issue #33), each compiled kernel launched
-directly (``mhc_core.host.launch.BoundKernel``).
+directly (``mhc_core.host.binaries.launch.BoundKernel``).
 
 Every variant (one-token; CUDA-core grouped, 4 tokens per cluster; tensor-core grouped, 16; the
 persistent boundary, groups of 8 looping over 3 clusters) x every format, once each (``MATRIX``: 12
@@ -83,7 +83,7 @@ def boundary_config(variant: str, fmt: str = "bf16", both: bool = False, arch: s
 
 def kernel_configs(arch: str = "sm_90a") -> list[dict[str, Any]]:
     """The FP8 configs these tests launch (to build them ahead of a run on a host without the DSL
-    compiler: ``mhc_core.host.compiler.compile_kernel(..., persist=True)``); the BF16 ones are the
+    compiler: ``mhc_core.host.binaries.compiler.compile_kernel(..., persist=True)``); the BF16 ones are the
     presets'."""
     return [boundary_config(variant, fmt, both, arch) for variant, fmt, both in MATRIX]
 

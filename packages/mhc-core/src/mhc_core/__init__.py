@@ -2,8 +2,8 @@
 
 Layers: ``mhc_core.device`` (what runs in a kernel: primitives, protocol, reductions, the
 publish and collective kernels) and ``mhc_core.host`` (what builds, launches and orders them:
-ops, groups, mailbox, compiler, launch); pure-Python modules beside them (``constants``,
-``presets``, ``compat``) and the torch references (``reference``).
+the ops on ``calls/``, ``ranks/`` and ``binaries/``); pure-Python modules beside them
+(``constants``, ``presets``, ``compat``) and the torch references (``reference``).
 
 Importing the package is cheap: the CuTe DSL and torch load when a kernel-facing
 name is first used (``mhc_core.LamportAllReduce``, ...), so pure-Python parts

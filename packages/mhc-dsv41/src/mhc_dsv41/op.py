@@ -6,7 +6,7 @@ collective (``mhc_dsv41.kernel``). At tp = 1 a plain call is one launch: the col
 reads ``x`` itself (nothing to all-reduce; bitwise the mailbox path's outputs); ``finalize``
 and the two-phase form keep the publish. Construction is collective over ``group``.
 
-The layer input's format is an option (issue #33, ``mhc_core.host.layer_input``):
+The layer input's format is an option (issue #33, ``mhc_core.host.calls.layer_input``):
 ``layer_input_format="bf16"`` (the default) returns ``(residual_out, layer_input)``; an FP8 format
 (``"fp32-g128"``, ``"ue8m0-g128-packed"``, ``"mx-g32"``: ``mhc_core.fp8``) returns ``(residual_out,
 q, scales)``, and with ``layer_input_bf16=True`` ``(residual_out, q, scales, layer_input)``, from
@@ -80,7 +80,7 @@ class AllReduceMHC(LamportOp):
         spin_timeout_ms: device-side bound on every poll, in ms (default 600 000, NCCL's default
             collective timeout; 0 turns it off; also ``MHC_SPIN_TIMEOUT_MS``).
         mailbox_allocation: how a process group's mailboxes are allocated: "auto" (default; also
-            ``MHC_MAILBOX_ALLOCATION``), "symmetric" or "ipc" (``mhc_core.host.allocation``).
+            ``MHC_MAILBOX_ALLOCATION``), "symmetric" or "ipc" (``mhc_core.host.ranks.allocation``).
         check_routes: verify MoE route indices on the device (debug mode).
         norm_eps: the RMSNorm epsilon of every call that passes none (as ``AllReduceMhcBoundary``
             takes it; a preset's ``norm_eps`` with ``from_preset``). A call may still pass its own.

@@ -1,6 +1,6 @@
-"""An op's call forms, each bound into the native executor (``mhc_core.host.programs``): the plain
+"""An op's call forms, each bound into the native executor (``mhc_core.host.calls.programs``): the plain
 call, the MoE call per routing-weight dtype, the two phases. The publish launches are the core's; the
-collective's rules, outputs and launches are the model's (``mhc_core.host.contract.ModelOp``).
+collective's rules, outputs and launches are the model's (``mhc_core.host.calls.contract.ModelOp``).
 
 Protocols (``mhc_core.protocols``): an op with a two-shot holds both protocols' launches in every
 call form, each tagged with its protocol; the native program picks by M. The routes are the union of

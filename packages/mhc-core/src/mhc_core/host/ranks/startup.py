@@ -14,7 +14,7 @@ of a ``Ballot`` per stage), each before the step it guards:
 2. ``kernels``, once every kernel is loaded or compiled and the mailbox is known to fit, before
    any allocation: the arch and every kernel's full key (facts beside it: each rank's GPU, which
    picks the allocation);
-3. the allocation's own exchanges (``mhc_core.host.allocation``), then ``mapped``, once every peer's
+3. the allocation's own exchanges (``mhc_core.host.ranks.allocation``), then ``mapped``, once every peer's
    mailbox is mapped and the call programs are bound, before the warm-up;
 4. ``ready``, after the warm-up: every rank's kernels launched once and no spin timed out. A rank
    whose warm-up failed casts its error in this vote; a process group's warm-up has a short spin

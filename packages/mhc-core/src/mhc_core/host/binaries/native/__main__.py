@@ -1,4 +1,4 @@
-"""``python3 -m mhc_core.host.native [TARGET]``: build the host library (see the package docstring)."""
+"""``python3 -m mhc_core.host.binaries.native [TARGET]``: build the host library (see the package docstring)."""
 
 from . import main
 
