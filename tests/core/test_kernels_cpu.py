@@ -77,7 +77,7 @@ def test_finalize_publish(arch: str, weights: str, store: str) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("tp,lanes", [(1, 1), (2, 1), (4, 1), (8, 1), (8, 2), (4, 4), (8, 8)])
 def test_collective(arch: str, tp: int, lanes: int) -> None:
-    from mhc_core.device.collective import CollectiveConfig, CollectiveKernel
+    from mhc_core.device.one_shot.collective import CollectiveConfig, CollectiveKernel
 
     ptx = compiled(CollectiveKernel(CollectiveConfig(hidden=7168, tp=tp, lanes=lanes)), arch)
     assert polls_volatile_in_loop(ptx), "the poll's volatile loads must sit inside the spin loop"

@@ -63,8 +63,8 @@ class SlowKernels(Kernels):
 def slow_all_reduce(tp: int = 2) -> tuple[Any, SlowKernels]:
     """A ``LamportAllReduce`` (with MoE input) whose kernels are slow recorders."""
     from mhc_core import LamportAllReduce
-    from mhc_core.device.collective import CollectiveKernel
     from mhc_core.device.configs import CollectiveConfig
+    from mhc_core.device.one_shot.collective import CollectiveKernel
 
     kernels = SlowKernels()
     op = object.__new__(LamportAllReduce)

@@ -126,7 +126,7 @@ def two_shot_state(op, tp: int, kernels: Kernels, requested: str = "auto") -> No
     """What construction leaves for an op with a two-shot from ``CROSSOVER`` tokens (or every M)."""
     from mhc_core.device.configs import PublishConfig, ReduceConfig
     from mhc_core.device.publish import FinalizePublishKernel, PublishKernel
-    from mhc_core.device.two_shot import ReduceKernel
+    from mhc_core.device.two_shot.reduce import ReduceKernel
     from mhc_core.protocols import ProtocolChoice
 
     start = 1 if requested == "two-shot" else CROSSOVER

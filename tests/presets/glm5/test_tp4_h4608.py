@@ -206,7 +206,10 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "scatter": True,
             },
         ),
-        "reduce": ("mhc_core.device.two_shot:ReduceKernel", {"hidden": 4608, "tp": 4, "threads": 128, "lanes": 1}),
+        "reduce": (
+            "mhc_core.device.two_shot.reduce:ReduceKernel",
+            {"hidden": 4608, "tp": 4, "threads": 128, "lanes": 1},
+        ),
         "gather_boundary": (
             "mhc_glm5.boundary:BoundaryKernel",
             {

@@ -27,8 +27,8 @@ WEIGHT_DTYPES = ("float32", "bfloat16")
 
 PUBLISH_KERNEL = "mhc_core.device.publish:PublishKernel"
 FINALIZE_PUBLISH_KERNEL = "mhc_core.device.publish:FinalizePublishKernel"
-COLLECTIVE_KERNEL = "mhc_core.device.collective:CollectiveKernel"
-REDUCE_KERNEL = "mhc_core.device.two_shot:ReduceKernel"
+COLLECTIVE_KERNEL = "mhc_core.device.one_shot.collective:CollectiveKernel"
+REDUCE_KERNEL = "mhc_core.device.two_shot.reduce:ReduceKernel"
 
 
 @dataclass(frozen=True, slots=True)

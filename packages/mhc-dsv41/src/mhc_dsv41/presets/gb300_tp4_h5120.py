@@ -159,7 +159,10 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "scatter": True,
             },
         ),
-        "reduce": ("mhc_core.device.two_shot:ReduceKernel", {"hidden": 5120, "tp": 4, "threads": 128, "lanes": 1}),
+        "reduce": (
+            "mhc_core.device.two_shot.reduce:ReduceKernel",
+            {"hidden": 5120, "tp": 4, "threads": 128, "lanes": 1},
+        ),
         "gather": (
             "mhc_dsv41.kernel:LamportMHCKernel",
             {
@@ -287,7 +290,10 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "scatter": True,
             },
         ),
-        "reduce": ("mhc_core.device.two_shot:ReduceKernel", {"hidden": 5120, "tp": 4, "threads": 128, "lanes": 1}),
+        "reduce": (
+            "mhc_core.device.two_shot.reduce:ReduceKernel",
+            {"hidden": 5120, "tp": 4, "threads": 128, "lanes": 1},
+        ),
         "gather": (
             "mhc_dsv41.kernel:LamportMHCKernel",
             {
