@@ -1,9 +1,10 @@
 """mhc-core: the Lamport one-shot all-reduce protocol and what the fused mHC ops share.
 
 Layers: ``mhc_core.device`` (what runs in a kernel: primitives, protocol, reductions, the
-publish and collective kernels) and ``mhc_core.host`` (what builds, launches and orders them:
-the ops on ``calls/``, ``ranks/`` and ``binaries/``); pure-Python modules beside them
-(``constants``, ``presets``, ``compat``) and the torch references (``reference``).
+publish kernels, and each protocol's own kernels in ``one_shot/`` and ``two_shot/``) and
+``mhc_core.host`` (what builds, launches and orders them: the ops on ``calls/``, ``ranks/`` and
+``binaries/``); pure-Python modules beside them (``constants``, ``presets``, ``compat``) and the
+torch references (``reference``).
 
 Importing the package is cheap: the CuTe DSL and torch load when a kernel-facing
 name is first used (``mhc_core.LamportAllReduce``, ...), so pure-Python parts

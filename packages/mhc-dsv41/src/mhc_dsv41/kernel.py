@@ -184,7 +184,7 @@ class SublayerOutput(bundle.KernelBundle):
 
 @dataclass(frozen=True)
 class Exchange(bundle.KernelBundle):
-    """The mailbox and the stage state (``mhc_core.device.collective.mailbox_params``)."""
+    """The mailbox and the stage state (``mhc_core.device.one_shot.collective.mailbox_params``)."""
 
     mailbox: cute.Tensor
     stage_state: cute.Tensor

@@ -200,7 +200,7 @@ class SublayerOutput(bundle.KernelBundle):
 
 @dataclass(frozen=True)
 class Exchange(bundle.KernelBundle):
-    """The mailbox and the stage state (``mhc_core.device.collective.mailbox_params``), and the
+    """The mailbox and the stage state (``mhc_core.device.one_shot.collective.mailbox_params``), and the
     clusters' arrival counter."""
 
     mailbox: cute.Tensor
