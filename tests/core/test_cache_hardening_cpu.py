@@ -323,7 +323,7 @@ LOAD_SHIPPED = """
 import sys
 sys.path.insert(0, sys.argv[1])
 sys.modules["cutlass"] = None  # a host without the DSL compiler: only a shipped kernel can serve
-from mhc_core.host import artifacts, compiler
+from mhc_core.host.binaries import artifacts, compiler
 from tests.core import cache_support
 artifacts.model_packages = lambda: ("mhcfake_a", "mhcfake_b")
 try:

@@ -60,7 +60,7 @@ WITHOUT_THE_DSL = """
 import sys
 from pathlib import Path
 import mhc_core.host.allreduce, mhc_dsv41.op, mhc_glm5.op  # every op module, as an engine imports them
-from mhc_core.host import artifacts, compiler
+from mhc_core.host.binaries import artifacts, compiler
 from mhc_dsv41 import presets
 artifacts._index = lambda: artifacts.read_manifest(Path(sys.argv[1]))
 for name, (path, config) in presets.get("h200-tp1-h5120").PRESET.kernel_specs("sm_90a").items():

@@ -60,7 +60,7 @@ def test_spin_guard_needs_no_numpy() -> None:
         import sys
         sys.modules["numpy"] = None  # any `import numpy` now raises ImportError
         import torch
-        from mhc_core.host import spin
+        from mhc_core.host.calls import spin
         slot = torch.zeros(16, dtype=torch.int32)
         spin._REPORT_SLOTS.take = lambda words: slot[:words]
         torch.cuda.synchronize = lambda device=None: None

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RESOLVE = """
 import importlib, subprocess, sys
 from mhc_core import registry
-from mhc_core.host import artifacts
+from mhc_core.host.binaries import artifacts
 from mhc_core.host.binaries.compiler import CALLING_CONVENTION
 assert all(str(path).startswith(sys.argv[1]) for path in artifacts.manifests()), artifacts.manifests()
 assert sorted(registry.packages()) == sorted(sys.argv[2].split(",")), registry.packages()
@@ -51,7 +51,7 @@ print(resolved)
 LOAD = """
 import json, sys
 from pathlib import Path
-from mhc_core.host import artifacts
+from mhc_core.host.binaries import artifacts
 manifest = artifacts.manifests()[0]
 entry = json.loads(manifest.read_text())["kernels"][0]
 key = artifacts.KernelKey(**{field: entry[field] for field in artifacts.KernelKey.__dataclass_fields__})

@@ -153,7 +153,7 @@ TOY = {
 LOOKUP = f"""
 import sys
 from mhc_core import registry
-from mhc_core.host import artifacts
+from mhc_core.host.binaries import artifacts
 from mhc_core.host.binaries.compiler import CALLING_CONVENTION
 toy = registry.model("toy")
 presets = __import__(toy.presets_package, fromlist=["get"])
