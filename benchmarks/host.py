@@ -5,7 +5,7 @@ Each figure: bursts of back-to-back eager calls after a warm-up, outputs allocat
 queued, nothing synchronises); *wall* adds the wait for the device at the end, per call. In
 the same run: ``F.rms_norm``, ``x.add_(1)`` and ``torch.empty_like`` for scale, and the launch
 floor, a one-warp DSL kernel with one pointer launched through its bare TVM-FFI entry point,
-through ``BoundKernel`` and through a native program (``mhc_core.host.programs``: the ops' own
+through ``BoundKernel`` and through a native program (``mhc_core.host.calls.programs``: the ops' own
 per-call path, with nothing to check or allocate). Each registered model gives its own paths
 (``BenchmarkCase.host_steps``: its calls, custom ops and loopback tp 2, both ranks' calls through
 ``run_ranks``, per rank), measured after those.
@@ -80,10 +80,10 @@ def interleaved_us(steps: list[Step], rounds: int = 40, burst: int = 100) -> dic
 def rows(m: int = 1) -> list[tuple[str, int, float, float, float, int]]:
     """``(label, tp, host us, best host us, wall us, launches)`` of every measured step
     (``interleaved_us``: medians and the best of the rounds)."""
-    from mhc_core.host.calls import M, tensor
-    from mhc_core.host.compiler import compile_kernel, device_arch
-    from mhc_core.host.launch import BoundKernel, current_stream_handle
-    from mhc_core.host.programs import Launch, Pointer, Program
+    from mhc_core.host.binaries.compiler import compile_kernel, device_arch
+    from mhc_core.host.binaries.launch import BoundKernel, current_stream_handle
+    from mhc_core.host.calls.programs import Launch, Pointer, Program
+    from mhc_core.host.calls.rules import M, tensor
 
     device = torch.device("cuda", torch.cuda.current_device())
     steps: list[Step] = []

@@ -121,7 +121,7 @@ def worker(tree: Path, library: Path, calls: int, planned: dict[str, Any]) -> No
     requests = ctypes.CDLL(str(library))
     requests.cg_stop.argtypes = [ctypes.c_char_p]
     from mhc_core.host import library as core_library
-    from mhc_core.host import streams
+    from mhc_core.host.calls import streams
 
     _stand_in_streams(streams)
     wiring = __import__("tests.core.test_launch_wiring_cpu", fromlist=["Kernels"])

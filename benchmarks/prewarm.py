@@ -1,4 +1,4 @@
-"""Compile a suite's kernels ahead, in parallel, into the on-disk kernel cache (``mhc_core.host.artifacts``).
+"""Compile a suite's kernels ahead, in parallel, into the on-disk kernel cache (``mhc_core.host.binaries.artifacts``).
 
 An op compiles the kernels no package ships one after another when it is built (several seconds each
 on the H200 host, one core each); the FP8 suite builds 2 x 3 x 2 such ops. ``prewarm`` compiles them
@@ -36,8 +36,8 @@ def preset_specs(preset: Any, arch: str, options: Iterable[dict[str, Any]]) -> l
 
 def missing(specs: list[tuple[str, dict[str, Any]]], arch: str) -> list[tuple[str, dict[str, Any]]]:
     """The specs neither a package ships nor the cache holds (what an op would compile)."""
-    from mhc_core.host import artifacts
-    from mhc_core.host.compiler import CALLING_CONVENTION, KernelSpec
+    from mhc_core.host.binaries import artifacts
+    from mhc_core.host.binaries.compiler import CALLING_CONVENTION, KernelSpec
 
     if not artifacts.enabled():
         return list(specs)
@@ -51,7 +51,7 @@ def missing(specs: list[tuple[str, dict[str, Any]]], arch: str) -> list[tuple[st
 
 def _compile_one(path: str, config: dict[str, Any], arch: str) -> float:
     """In a worker: compile and persist one kernel; its compile seconds."""
-    from mhc_core.host.compiler import KernelSpec, compile_kernel
+    from mhc_core.host.binaries.compiler import KernelSpec, compile_kernel
 
     return compile_kernel(KernelSpec(path, config), arch, persist=True).report.seconds
 
@@ -59,7 +59,7 @@ def _compile_one(path: str, config: dict[str, Any], arch: str) -> float:
 def prewarm(specs: list[tuple[str, dict[str, Any]]], arch: str, jobs: int | None = None) -> str:
     """Compile the ``missing`` specs in ``jobs`` processes (default: one per core, at most one per
     kernel) into the cache; a line saying what was done."""
-    from mhc_core.host import artifacts
+    from mhc_core.host.binaries import artifacts
 
     todo = missing(specs, arch)
     if not todo:

@@ -36,7 +36,7 @@ def spin_bound(ctx: Context, ms: list[int]) -> list[Record]:
     ``<model key> bound off`` and ``<model key> bound on (default)``; the floor is tp times the
     model's byte floor (every rank's call on this GPU)."""
     from mhc_core import LoopbackGroup, run_ranks
-    from mhc_core.host.spin import DEFAULT_SPIN_TIMEOUT_MS
+    from mhc_core.host.calls.spin import DEFAULT_SPIN_TIMEOUT_MS
 
     if ctx.group is not None:
         raise ValueError("--suite spin-bound runs loopback ranks in one process: run it without torchrun")

@@ -440,7 +440,7 @@ def test_the_wrappers_pick_the_ops_by_the_ops_format(model: Fp8Model) -> None:
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from mhc_core.host.layer_input import LayerInput
+    from mhc_core.host.calls.layer_input import LayerInput
 
     library = model.module("library")
     mode = FakeTensorMode()

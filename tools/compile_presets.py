@@ -4,7 +4,7 @@
 
 The models are the registered ones (``mhc_core.registry``). The kernels come from the generated
 preset modules (``<package>.presets``,
-``kernels(arch)``); ``mhc_core.host.compiler.compile_kernel(kernel, arch, inspect=True)``
+``kernels(arch)``); ``mhc_core.host.binaries.compiler.compile_kernel(kernel, arch, inspect=True)``
 passes ``--gpu-arch`` so no GPU is needed. A kernel config met again on the same
 arch is compiled once; its later rows say "same as" the first. A kernel class that
 does not exist yet is reported once ("not implemented yet") and gets no row.
@@ -84,7 +84,7 @@ class Job:
 @dataclass
 class Row:
     job: Job
-    report: Any  # mhc_core.host.compiler.CompileReport
+    report: Any  # mhc_core.host.binaries.compiler.CompileReport
     same_as: Job | None = None
 
 
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line, flush=True)
 
     from mhc_core.constants import SUPPORTED_ARCHS
-    from mhc_core.host.compiler import compile_kernel
+    from mhc_core.host.binaries.compiler import compile_kernel
 
     unknown_archs = [arch for arch in args.arch if arch not in SUPPORTED_ARCHS]
     if unknown_archs:

@@ -5,7 +5,7 @@
 For each registered model package (``mhc_core.registry``) and each arch its presets list: compile
 every kernel (TVM-FFI, no GPU needed; a kernel met again is compiled once), export it as an object
 file whose one visible symbol is its TVM-FFI entry point ``__tvm_ffi_<symbol>``
-(``mhc_core.host.artifacts``: the symbol is a hash of the kernel's full key), link the objects into
+(``mhc_core.host.binaries.artifacts``: the symbol is a hash of the kernel's full key), link the objects into
 ``<package>/kernels/<arch>/lib<package>_<arch>.so`` against the DSL runtime and TVM-FFI, and write
 ``manifest.json`` beside it. ``--out`` writes ``<out>/<package>/kernels/...`` instead of into the
 checkout's sources (which hatch then packs into the wheels; ``nox -s build`` runs this).
@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         print(line, flush=True)
 
     from mhc_core import registry
-    from mhc_core.host import artifacts
-    from mhc_core.host.compiler import CALLING_CONVENTION, KernelSpec, compile_kernel
+    from mhc_core.host.binaries import artifacts
+    from mhc_core.host.binaries.compiler import CALLING_CONVENTION, KernelSpec, compile_kernel
 
     if args.model is not None and args.model not in model_keys():
         parser.error(f"--model: expected one of {', '.join(model_keys())}; got {args.model!r}")

@@ -28,7 +28,8 @@ FLOOR = "manylinux_2_28"
 #: Libraries the wheels' binaries load from other distributions' wheels (apache-tvm-ffi's, the DSL's
 #: runtime, by soname), declared as dependencies instead of copied in: auditwheel checks the rest.
 FROM_OTHER_WHEELS = ("libtvm_ffi.so", "libcute_dsl_runtime.so")
-#: auditwheel's warning for a wheel none of whose binaries names a libc (mhc_core.host.artifacts.link names it).
+#: auditwheel's warning for a wheel none of whose binaries names a libc
+#: (mhc_core.host.binaries.artifacts.link names it).
 UNPLACED = "couldn't detect wheel libc"
 
 

@@ -1,10 +1,10 @@
-"""Wheel build hook: the host library (``src/mhc_core/host/native/libmhc_host.so``, the ops' per-call
+"""Wheel build hook: the host library (``src/mhc_core/host/binaries/native/libmhc_host.so``, the ops' per-call
 path in C++) is built from ``executor.cc`` and packed with its record (``libmhc_host.json``: the
 source digest, size and sha256 checked before it is loaded), and the wheel is tagged for this platform (an
 x86-64 ELF library that needs no particular Python ABI: py3-none-<platform>; ``nox -s build`` then
 retags it with the manylinux tag auditwheel finds its library satisfies). Building needs a C++
 compiler and apache-tvm-ffi's headers (a build requirement). Editable installs build nothing: the
-library is then built on first use into the user's cache (``mhc_core.host.native``)."""
+library is then built on first use into the user's cache (``mhc_core.host.binaries.native``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
-NATIVE = Path("src") / "mhc_core" / "host" / "native"
+NATIVE = Path("src") / "mhc_core" / "host" / "binaries" / "native"
 
 
 class NativeHook(BuildHookInterface):  # type: ignore[misc]
@@ -24,7 +24,7 @@ class NativeHook(BuildHookInterface):  # type: ignore[misc]
             return
         sys.path.insert(0, str(Path(self.root) / "src"))
         try:
-            from mhc_core.host import native
+            from mhc_core.host.binaries import native
         finally:
             sys.path.pop(0)
         target = Path(self.root) / NATIVE / "libmhc_host.so"

@@ -21,7 +21,7 @@ LATER = "mhc_core.not_written_yet:FutureKernel"
 
 def fake_preset(tp: int) -> SimpleNamespace:
     """A generated module's surface: PRESET.archs, GEOMETRY, KERNELS, kernels(arch, names)."""
-    from mhc_core.host.compiler import kernel_from_spec
+    from mhc_core.host.binaries.compiler import kernel_from_spec
 
     specs: dict[str, tuple[str, dict[str, Any]]] = {
         "publish": (PUBLISH[0], {**PUBLISH[1], "store": "unicast"}),

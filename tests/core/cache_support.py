@@ -61,7 +61,7 @@ def spec() -> Any:
 
 
 def key() -> Any:
-    from mhc_core.host import artifacts
+    from mhc_core.host.binaries import artifacts
 
     return artifacts.kernel_key(spec(), ARCH, "tvm-ffi")
 
@@ -95,7 +95,7 @@ COMPILES: list[str] = []
 
 def fake_compile(kernel: Any, spec: Any, arch: str, inspect: bool) -> Any:
     """``compiler._compile``'s stand-in: counted, as slow as ``$MHC_TEST_COMPILE_SECONDS``."""
-    from mhc_core.host.compiler import CompiledKernel
+    from mhc_core.host.binaries.compiler import CompiledKernel
 
     COMPILES.append(str(spec))
     time.sleep(float(os.environ.get(COMPILE_SECONDS_ENV, "0")))
@@ -106,7 +106,7 @@ def install_fakes(patch: Any = None) -> None:
     """The stand-in compile, nothing shipped, and a link that needs neither the DSL's runtime nor its
     link flags (two processes that import the DSL). ``patch``: a pytest ``MonkeyPatch`` (in the
     test's process), else set for good (a child)."""
-    from mhc_core.host import artifacts, compiler
+    from mhc_core.host.binaries import artifacts, compiler
 
     setattr_ = patch.setattr if patch is not None else setattr
     setattr_(compiler, "_compile", fake_compile)
@@ -200,7 +200,7 @@ def swap_after_hashing(signals: Path) -> None:
     """An attacker's best moment: right after this process has read a library's sha256 (the first
     ``cache_files.digest_of``), it says ``hashed`` in ``signals`` and waits until the test has
     replaced the file and says ``swapped``."""
-    from mhc_core.host import cache_files
+    from mhc_core.host.binaries import cache_files
 
     digest_of = cache_files.digest_of
 
@@ -220,7 +220,7 @@ def swap_after_hashing(signals: Path) -> None:
 
 def build_op_kernel(args: argparse.Namespace) -> dict[str, Any]:
     """What an op's construction does for one kernel: ``compile_kernel(..., persist=True)``."""
-    from mhc_core.host import compiler
+    from mhc_core.host.binaries import compiler
 
     real_compile = compiler._compile
     install_fakes()
@@ -241,7 +241,7 @@ def build_op_kernel(args: argparse.Namespace) -> dict[str, Any]:
 
 def persist_repeatedly(args: argparse.Namespace) -> dict[str, Any]:
     """A writer: persist the same kernel ``--rounds`` times (export and link stubbed: copies)."""
-    from mhc_core.host import artifacts
+    from mhc_core.host.binaries import artifacts
 
     template = Path(args.template)
     artifacts.load_runtime_globally = lambda: None  # type: ignore[assignment]
@@ -261,7 +261,7 @@ def persist_repeatedly(args: argparse.Namespace) -> dict[str, Any]:
 
 def read_repeatedly(args: argparse.Namespace) -> dict[str, Any]:
     """A reader: look the kernel up in the cache until ``--stop`` exists (no load: no dlopen)."""
-    from mhc_core.host import artifacts
+    from mhc_core.host.binaries import artifacts
 
     the_key = key()
     found = errors = 0
@@ -280,10 +280,10 @@ class BuildCalled(Exception):
 
 
 def fake_native(patch: Any = None, *, template: Path | None = None, fake_load: bool = False) -> list[Path]:
-    """Point ``mhc_core.host.native`` at no installed library, and replace its build (a copy of
+    """Point ``mhc_core.host.binaries.native`` at no installed library, and replace its build (a copy of
     ``template``, else ``BuildCalled``) and, with ``fake_load``, its load (no tvm_ffi). The targets
     built, as a list that fills up."""
-    from mhc_core.host import native
+    from mhc_core.host.binaries import native
 
     setattr_ = patch.setattr if patch is not None else setattr
     built: list[Path] = []
@@ -308,7 +308,7 @@ def fake_native(patch: Any = None, *, template: Path | None = None, fake_load: b
 
 def load_host_library(args: argparse.Namespace) -> dict[str, Any]:
     """A rank loading the host library (``native.library()``)."""
-    from mhc_core.host import native
+    from mhc_core.host.binaries import native
 
     built = fake_native(template=Path(args.template) if args.template else None, fake_load=args.fake_load)
     if args.packaged:  # an installed library (and its record) where the test put them

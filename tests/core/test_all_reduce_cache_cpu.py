@@ -145,7 +145,7 @@ class GlooOp:
     def __init__(self, *, group: Any, max_num_tokens: int, **arguments: Any) -> None:
         import torch.distributed as dist
 
-        from mhc_core.host.groups import resolve_group
+        from mhc_core.host.ranks.groups import resolve_group
 
         self.group = resolve_group(group)
         self.tp, self.rank, self.capacity = self.group.tp, self.group.rank, max_num_tokens

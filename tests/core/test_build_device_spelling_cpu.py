@@ -22,7 +22,7 @@ def test_the_environment_is_checked_first_whatever_the_spelling(
 
 
 def test_a_device_that_is_no_cuda_one_is_left_to_the_op() -> None:
-    from mhc_core.host.support import require_cuda_build
+    from mhc_core.host.binaries.support import require_cuda_build
 
     require_cuda_build("cpu")  # a CPU op (a third model's toy) is the op's to judge
     require_cuda_build("not a device")  # the op names the argument

@@ -191,7 +191,7 @@ def test_a_stuck_lock_holder_is_named_and_outwaited(how: str, what: str, tmp_pat
         expected = {"compiles": 1, "loaded": False}
     else:
         mode, args = "host", ("--fake-load", "--template", str(stub))
-        from mhc_core.host import native
+        from mhc_core.host.binaries import native
 
         lock = cache / "native" / native.cached_path(native.digest()).with_suffix(".lock").name
         persisted = lock.with_suffix(".so")
@@ -230,12 +230,12 @@ def test_a_stuck_lock_holder_is_named_and_outwaited(how: str, what: str, tmp_pat
 @pytest.fixture(scope="module")
 def host_library(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real host library, built as a checkout or the wheel build does
-    (``python3 -m mhc_core.host.native TARGET``: its record beside it, where the build writes one)."""
+    (``python3 -m mhc_core.host.binaries.native TARGET``: its record beside it, where the build writes one)."""
     if shutil.which("c++") is None and not os.environ.get("CXX"):
         pytest.skip("building the host library needs a C++ compiler")
     target = tmp_path_factory.mktemp("installed") / "libmhc_host.so"
     done = subprocess.run(
-        [sys.executable, "-m", "mhc_core.host.native", str(target)], cwd=ROOT, capture_output=True, text=True,
+        [sys.executable, "-m", "mhc_core.host.binaries.native", str(target)], cwd=ROOT, capture_output=True, text=True,
         timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -244,7 +244,7 @@ def host_library(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def cached_host_entry(cache: Path, library: Path) -> Path:
     """``library`` where the host library's cache keeps it, with a sidecar of its size and sha256."""
-    from mhc_core.host import native
+    from mhc_core.host.binaries import native
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MHC_CACHE_DIR", str(cache))
@@ -323,7 +323,7 @@ LOAD_SHIPPED = """
 import sys
 sys.path.insert(0, sys.argv[1])
 sys.modules["cutlass"] = None  # a host without the DSL compiler: only a shipped kernel can serve
-from mhc_core.host import artifacts, compiler
+from mhc_core.host.binaries import artifacts, compiler
 from tests.core import cache_support
 artifacts.model_packages = lambda: ("mhcfake_a", "mhcfake_b")
 try:
@@ -363,7 +363,7 @@ def test_a_manifest_of_an_unknown_format_is_refused_with_a_warning(
     """A manifest of a format this mhc-core does not read (a newer exporter's, or an edited one):
     none of its kernels is used, one warning names it and its format (it was skipped silently);
     the other package's manifest still counts."""
-    from mhc_core.host import artifacts
+    from mhc_core.host.binaries import artifacts
 
     key, good, other = _model_packages(tmp_path, monkeypatch)
     for path in (good, other):
@@ -421,7 +421,7 @@ def test_a_folder_planted_where_a_library_belongs_is_moved_aside(what: str, tmp_
         args: tuple[str, ...] = ()
         first, second = {"compiles": 1, "loaded": False}, {"compiles": 0, "loaded": True}
     else:
-        from mhc_core.host import native
+        from mhc_core.host.binaries import native
 
         library = cache / "native" / native.cached_path(native.digest()).name
         args = ("--fake-load", "--template", str(stub))

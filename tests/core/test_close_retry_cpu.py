@@ -28,7 +28,7 @@ def fake_op(group: Any) -> Any:
     device parts stood in for."""
     from mhc_core import LamportAllReduce
     from mhc_core.host import library
-    from mhc_core.host.groups import resolve_group
+    from mhc_core.host.ranks.groups import resolve_group
 
     library.torch._dynamo.mark_static_address = lambda tensor: None
     torch.cuda.is_current_stream_capturing = lambda: False  # this thread never captures

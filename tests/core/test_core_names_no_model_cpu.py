@@ -1,5 +1,5 @@
 """The core's host modules name no model (issue #35 part 3): a model's op declares what the core
-needs of it (``mhc_core.host.contract.ModelOp``: its hooks and ``model_device_state``), so no
+needs of it (``mhc_core.host.calls.contract.ModelOp``: its hooks and ``model_device_state``), so no
 identifier or string of ``mhc_core.host`` is a model's name or one of its ops' own attributes.
 Comments and docstrings may still say which model motivated a mechanism.
 
@@ -71,7 +71,7 @@ def model_attributes() -> set[str]:
     model = set()
     for module in (mhc_dsv41.op, mhc_glm5.op):
         model |= assigned_attributes(Path(module.__file__))
-    core = set().union(*(assigned_attributes(path) for path in HOST.glob("*.py")))
+    core = set().union(*(assigned_attributes(path) for path in HOST.rglob("*.py")))
     return model - core
 
 
@@ -79,7 +79,7 @@ def test_the_host_modules_name_no_model_and_none_of_its_attributes() -> None:
     attributes = model_attributes()
     assert {"_mixes_handoff", "_raw_mixes", "_arrivals", "_boundary_kernels"} <= attributes  # the check sees them
     found = []
-    for path in sorted(HOST.glob("*.py")):
+    for path in sorted(HOST.rglob("*.py")):
         for token in code_tokens(path):
             text = token.string.lower() if token.type == tokenize.NAME else token.string
             words = [word for word in MODEL_WORDS if token.type == tokenize.NAME and word in text]

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import mhc_core
-from mhc_core.host import fallback
-from mhc_core.host.fallback import RankFacts
+from mhc_core.host.ranks import fallback
+from mhc_core.host.ranks.fallback import RankFacts
 
 GPUS = [f"GPU-{index}" for index in range(8)]
 

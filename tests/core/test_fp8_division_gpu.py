@@ -11,8 +11,8 @@ pytestmark = pytest.mark.gpu
 
 
 def test_shared_reciprocal_divides_as_div_rn_for_every_group_value() -> None:
-    from mhc_core.host.compiler import compile_kernel, device_arch
-    from mhc_core.host.launch import BoundKernel
+    from mhc_core.host.binaries.compiler import compile_kernel, device_arch
+    from mhc_core.host.binaries.launch import BoundKernel
     from tests.core.fp8_division_kernel import BF16_MAX_FINITE, DivisionConfig, DivisionKernel
 
     config = DivisionConfig()

@@ -40,7 +40,7 @@ print(config.fp8_group, config.scale_layout, config.scale_groups, fp8_formats.LA
 def test_every_reader_reads_the_one_table() -> None:
     from mhc_core import fp8, fp8_formats
     from mhc_core.device import quant
-    from mhc_core.host import layer_input
+    from mhc_core.host.calls import layer_input
     from mhc_dsv41.config import MHCConfig
     from mhc_glm5.boundary import BoundaryConfig
 

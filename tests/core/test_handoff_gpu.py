@@ -12,8 +12,8 @@ NEGATIVE_ZERO = -(2**31)
 
 
 def bound(role: str):
-    from mhc_core.host.compiler import compile_kernel, device_arch
-    from mhc_core.host.launch import BoundKernel
+    from mhc_core.host.binaries.compiler import compile_kernel, device_arch
+    from mhc_core.host.binaries.launch import BoundKernel
     from tests.core.handoff_kernel import HandoffConfig, HandoffKernel
 
     kernel = HandoffKernel(HandoffConfig(role))
@@ -31,7 +31,7 @@ def bit_patterns(n: int) -> torch.Tensor:
 
 
 def test_rows_round_trip_with_negative_zero_as_plus_zero() -> None:
-    from mhc_core.host.spin import SpinGuard
+    from mhc_core.host.calls.spin import SpinGuard
 
     rows_count, width = 1000, 8
     bits = bit_patterns(rows_count * width).view(rows_count, width).cuda()
@@ -53,7 +53,7 @@ def test_rows_round_trip_with_negative_zero_as_plus_zero() -> None:
 
 def test_consumer_gives_up_on_a_row_never_written() -> None:
     from mhc_core import LamportTimeoutError
-    from mhc_core.host.spin import SpinGuard
+    from mhc_core.host.calls.spin import SpinGuard
 
     rows = torch.full((3, 8), -0.0, device="cuda")
     rows[1, :7] = 1.0  # one slot of row 1 still empty

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="the stand-in
 @pytest.fixture(autouse=True)
 def no_warning_given(monkeypatch: pytest.MonkeyPatch) -> None:
     try:
-        from mhc_core.host import cache_files
+        from mhc_core.host.binaries import cache_files
     except ImportError:  # the parent commit has no such module
         return
     monkeypatch.setattr(cache_files, "_warned", set())
@@ -54,14 +54,14 @@ def stub(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def target() -> Path:
-    from mhc_core.host import native
+    from mhc_core.host.binaries import native
 
     return native.cached_path(native.digest())
 
 
 def library_now() -> Any:
     """``native.library()`` as a new process calls it (it is cached per process)."""
-    from mhc_core.host import native
+    from mhc_core.host.binaries import native
 
     return native.library.__wrapped__()
 
@@ -73,7 +73,7 @@ def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 def cached_entry(cache: Path, library: Path, *, sha256: str | None = None) -> Path:
     """``library`` copied to where the cache keeps the host library, with a sidecar recording its
     size and sha256 (``sha256`` instead, where given); folders as a first build leaves them (0700)."""
-    from mhc_core.host import native
+    from mhc_core.host.binaries import native
 
     folder = target().parent
     folder.mkdir(parents=True)

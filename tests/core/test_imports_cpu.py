@@ -6,6 +6,8 @@ function-local ones included, so imports that only GPU code paths execute are ch
 * each ``benchmarks`` import (the demo, the tests) names a module there and names it has; no package
   module imports ``benchmarks`` or another checkout folder (a wheel ships without them);
 * device modules (``mhc_core.device``, the model packages' kernel modules) never import host ones;
+* the folders of ``mhc_core.host`` and ``mhc_core.device`` are floors: a module imports its own
+  folder's and lower floors' modules, never a higher floor's nor a sibling folder's on its floor;
 * the host modules form no import cycle. Preset modules import their op (their ``build``) and the
   op imports the preset registry (``from_preset``): the registry imports presets by name, at run
   time, so no cycle runs through them and none is excepted.
@@ -41,6 +43,21 @@ SHARED = {
     "mhc_core.compat",
     "mhc_core.fp8_formats",  # the FP8 format table and the kernel configs' layer-input mixin (pure Python)
     *(model.config_module for model in MODELS.values()),
+}
+
+
+#: The floors of each layer, lowest first: a folder (a package) per name, its modules and the
+#: modules of no lower-listed subfolder; folders on one floor import each other in neither direction.
+FLOORS = {
+    "mhc_core.host": (
+        ("mhc_core.host.binaries",),  # compiled code: compiler, shipped and cached kernels, native/
+        ("mhc_core.host.ranks", "mhc_core.host.calls"),  # the group and its memory; the call path
+        ("mhc_core.host",),  # the ops
+    ),
+    "mhc_core.device": (
+        ("mhc_core.device",),  # what both protocols and the models' kernels share
+        ("mhc_core.device.one_shot", "mhc_core.device.two_shot"),  # each protocol's own kernels
+    ),
 }
 
 
@@ -203,12 +220,38 @@ def test_host_modules_form_no_cycle() -> None:
     assert not cycles, "import cycles between host modules:\n" + "\n".join(cycles)
 
 
+def folder_floor(module: str, floors: tuple[tuple[str, ...], ...]) -> tuple[str, int]:
+    """The folder of ``floors`` that holds ``module`` (the longest that prefixes it) and its floor."""
+    folders = {folder: floor for floor, names in enumerate(floors) for folder in names}
+    holder = max((f for f in folders if module == f or module.startswith(f + ".")), key=len)
+    return holder, folders[holder]
+
+
+def test_folders_import_downward() -> None:
+    """``mhc_core.host``: ``binaries`` below ``ranks`` and ``calls``, below the ops; ``mhc_core.device``:
+    the shared modules below the protocol folders. Every import counts, lazy ones too."""
+    graph = edges()
+    wrong = []
+    for layer, floors in FLOORS.items():
+        inside = [module for module in graph if module.startswith(layer + ".")]
+        assert {folder_floor(module, floors)[0] for module in inside} == {f for names in floors for f in names}
+        for module in inside:
+            folder, floor = folder_floor(module, floors)
+            for target in sorted(graph[module]):
+                if target != layer and not target.startswith(layer + "."):
+                    continue
+                target_folder, target_floor = folder_floor(target, floors)
+                if target_folder != folder and target_floor >= floor:
+                    wrong.append(f"{module} ({folder}) imports {target} ({target_folder})")
+    assert not wrong, "imports that do not run downward:\n" + "\n".join(wrong)
+
+
 def test_the_graph_sees_the_layers() -> None:
     """The checks above look at real edges: the op imports the kernel configs, each model's op its own
     config, and every declared device module exists."""
     graph = edges()
     assert "mhc_core.device.configs" in graph["mhc_core.host.op"]
-    assert "mhc_core.host.groups" in graph["mhc_core.host.mailbox"]
+    assert "mhc_core.host.ranks.groups" in graph["mhc_core.host.ranks.mailbox"]
     for model in MODELS.values():
         assert model.config_module in graph[model.op_module], model.key
         assert set(model.device_modules) <= set(MODULES), model.key

@@ -20,9 +20,9 @@ ELEMENTS = 4096
 def _allocate(rank: int, world: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from mhc_core.host import allocation, cuda_ipc
-    from mhc_core.host.groups import resolve_group
-    from mhc_core.host.startup import construction
+    from mhc_core.host.ranks import allocation, cuda_ipc
+    from mhc_core.host.ranks.groups import resolve_group
+    from mhc_core.host.ranks.startup import construction
 
     class Allocation:
         def __init__(self, nbytes: int, device: Any) -> None:

@@ -37,18 +37,18 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="the cache li
 @pytest.fixture(autouse=True)
 def fresh_process_state(monkeypatch: pytest.MonkeyPatch) -> Any:
     """What a new process starts with: no kernel in memory, no warning given, manifests unread."""
-    from mhc_core.host import artifacts, compiler
+    from mhc_core.host.binaries import artifacts, compiler
 
     monkeypatch.setattr(compiler, "_CACHE", {})
     try:
-        from mhc_core.host import cache_files
+        from mhc_core.host.binaries import cache_files
     except ImportError:  # the parent commit has no such module
         pass
     else:
         monkeypatch.setattr(cache_files, "_warned", set())
     monkeypatch.setattr(artifacts, "_SKIPPED", {}, raising=False)
     try:
-        from mhc_core.host import verified
+        from mhc_core.host.binaries import verified
     except ImportError:  # the parent commit has no such module
         pass
     else:
@@ -60,7 +60,7 @@ def fresh_process_state(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def _clear_manifest_caches() -> None:
-    from mhc_core.host import artifacts
+    from mhc_core.host.binaries import artifacts
 
     for name in ("_payloads", "_index", "_recorded_sources", "source_hash", "_shipped_problem"):
         function = getattr(artifacts, name, None)
@@ -71,7 +71,7 @@ def _clear_manifest_caches() -> None:
 @pytest.fixture(scope="module")
 def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A cache holding the stand-in kernel, as the first process to build it leaves it."""
-    from mhc_core.host import compiler
+    from mhc_core.host.binaries import compiler
 
     root = tmp_path_factory.mktemp("template") / "cache"
     with pytest.MonkeyPatch.context() as patch:
@@ -104,7 +104,7 @@ def entry(cache: Path) -> tuple[Path, Path]:
 
 def build_here(monkeypatch: pytest.MonkeyPatch) -> Any:
     """An op's construction of the stand-in kernel in this process."""
-    from mhc_core.host import compiler
+    from mhc_core.host.binaries import compiler
 
     cache_support.install_fakes(monkeypatch)
     return compiler.compile_kernel(cache_support.spec(), ARCH, persist=True)
@@ -242,7 +242,7 @@ def test_a_broken_sidecar_is_skipped_and_recompiled(
 ) -> None:
     """A sidecar truncated, corrupt, without its signature or naming another kernel: one warning
     naming it, the kernel compiled and the entry rewritten, which the next process loads."""
-    from mhc_core.host import compiler
+    from mhc_core.host.binaries import compiler
 
     _, sidecar = entry(populated)
     sidecar.write_text(SIDECAR_DAMAGE[damage](sidecar.read_text()))
@@ -391,7 +391,7 @@ def _model_packages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[An
     library beside it), ``mhcfake_b``'s another. The key, and both manifests' paths."""
     from mhc_core.device.configs import PUBLISH_KERNEL, PublishConfig
     from mhc_core.device.kernel import KernelSpec
-    from mhc_core.host import artifacts
+    from mhc_core.host.binaries import artifacts
 
     paths = []
     for package, hidden in (("mhcfake_a", 1040), ("mhcfake_b", 2080)):
@@ -431,7 +431,7 @@ def test_a_broken_manifest_breaks_no_other_package(
 ) -> None:
     """One package's manifest corrupted: the other package's kernels are still found, keys still
     computed (source hashes read every manifest), with MHC_PREBUILT=0 too; one warning names it."""
-    from mhc_core.host import artifacts, compiler
+    from mhc_core.host.binaries import artifacts, compiler
 
     key, good, broken = _model_packages(tmp_path, monkeypatch)
     broken.write_text(MANIFEST_DAMAGE[damage](broken.read_text()))
@@ -452,7 +452,7 @@ def test_a_shipped_library_that_is_not_the_one_recorded_is_not_loaded(
 ) -> None:
     """A shipped library truncated after its manifest was written: not handed to ``dlopen``; one
     warning names it (the kernel is then compiled, or, without the compiler, an error names it)."""
-    from mhc_core.host import artifacts
+    from mhc_core.host.binaries import artifacts
 
     key, good, _ = _model_packages(tmp_path, monkeypatch)
     library = good.parent / json.loads(good.read_text())["library"]

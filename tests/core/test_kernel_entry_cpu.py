@@ -1,6 +1,6 @@
 """A compiled kernel takes exactly the parameters its ``signature()`` lists, and nothing else.
 
-The host (``mhc_core.host.programs``, the C++ executor) passes one argument per ``Param``; TVM-FFI's
+The host (``mhc_core.host.calls.programs``, the C++ executor) passes one argument per ``Param``; TVM-FFI's
 entry point expects one per parameter of the ``@cute.jit`` function the compiler traced, a
 defaulted ``None`` one included. At e2879c6 the DSV collective's ``__call__`` ended in
 ``layer_input_q=None, layer_input_scales=None`` (issue #33's FP8 outputs), so every BF16 DSV kernel
@@ -59,7 +59,7 @@ def test_every_preset_kernels_entry_takes_exactly_its_signature() -> None:
 
 @pytest.mark.parametrize(("layer_input_format", "arguments"), [("bf16", 19), ("fp32-g128", 21)])
 def test_the_compiled_dsv_collective_takes_one_argument_per_param(layer_input_format: str, arguments: int) -> None:
-    from mhc_core.host.compiler import compile_kernel
+    from mhc_core.host.binaries.compiler import compile_kernel
 
     path, config = presets.get("dsv41", "h200-tp1-h5120").KERNELS["sm_90a"]["collective"]
     spec = KernelSpec(path, dict(config, layer_input_format=layer_input_format))

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def compiled(kernel, arch):
-    from mhc_core.host.compiler import compile_kernel
+    from mhc_core.host.binaries.compiler import compile_kernel
 
     result = compile_kernel(kernel, arch, inspect=True)
     assert result.ptx, "no PTX kept"
@@ -77,7 +77,7 @@ def test_finalize_publish(arch: str, weights: str, store: str) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("tp,lanes", [(1, 1), (2, 1), (4, 1), (8, 1), (8, 2), (4, 4), (8, 8)])
 def test_collective(arch: str, tp: int, lanes: int) -> None:
-    from mhc_core.device.collective import CollectiveConfig, CollectiveKernel
+    from mhc_core.device.one_shot.collective import CollectiveConfig, CollectiveKernel
 
     ptx = compiled(CollectiveKernel(CollectiveConfig(hidden=7168, tp=tp, lanes=lanes)), arch)
     assert polls_volatile_in_loop(ptx), "the poll's volatile loads must sit inside the spin loop"
@@ -97,7 +97,7 @@ def test_sinkhorn(arch: str) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_dot_bf16x8_variants(arch: str) -> None:
     """sm_100+ uses fma.rn.f32.bf16; sm_90a the exact unpack + fma.rn.f32 (ptxas rejects the former)."""
-    from mhc_core.host.compiler import arch_has_mixed_bf16_fma
+    from mhc_core.host.binaries.compiler import arch_has_mixed_bf16_fma
     from tests.core.dot_kernel import DotKernel
 
     ptx = compiled(DotKernel(arch_has_mixed_bf16_fma(arch)), arch)

@@ -25,7 +25,7 @@ def test_tvm_ffi_build_has_the_default_conventions_ptx(preset: str) -> None:
     """The calling convention changes the host wrapper only: the kernel's PTX is the same."""
     import importlib
 
-    from mhc_core.host.compiler import COMPILE_OPTIONS, compile_kernel
+    from mhc_core.host.binaries.compiler import COMPILE_OPTIONS, compile_kernel
 
     assert "--enable-tvm-ffi" in COMPILE_OPTIONS
     model, name = preset.split(":")
@@ -44,7 +44,7 @@ def exported(tmp_path_factory):
     import sys
     from pathlib import Path
 
-    from mhc_core.host import artifacts
+    from mhc_core.host.binaries import artifacts
 
     if shutil.which("cc") is None:
         pytest.skip("linking the kernels needs a C compiler (cc)")
@@ -60,7 +60,7 @@ WITHOUT_THE_DSL = """
 import sys
 from pathlib import Path
 import mhc_core.host.allreduce, mhc_dsv41.op, mhc_glm5.op  # every op module, as an engine imports them
-from mhc_core.host import artifacts, compiler
+from mhc_core.host.binaries import artifacts, compiler
 from mhc_dsv41 import presets
 artifacts._index = lambda: artifacts.read_manifest(Path(sys.argv[1]))
 for name, (path, config) in presets.get("h200-tp1-h5120").PRESET.kernel_specs("sm_90a").items():
@@ -93,7 +93,7 @@ def test_a_shipped_kernel_loads_instead_of_compiling(exported, monkeypatch: pyte
     library: ``cute.compile`` is never called. A different key (another arch) still compiles."""
     import cutlass.cute as cute
 
-    from mhc_core.host import artifacts, compiler
+    from mhc_core.host.binaries import artifacts, compiler
 
     manifest = exported
     monkeypatch.setattr(artifacts, "_index", lambda: artifacts.read_manifest(manifest))
@@ -119,7 +119,7 @@ def test_a_manifests_recorded_sources_stand_in_for_the_import_walk(exported, mon
     imports; a text that changed since falls back to the walk."""
     import json
 
-    from mhc_core.host import artifacts
+    from mhc_core.host.binaries import artifacts
 
     payload = json.loads(exported.read_text())
     walked = {}
@@ -163,7 +163,7 @@ def test_a_kernel_compiled_here_persists_in_the_cache(tmp_path, monkeypatch: pyt
 
     import cutlass.cute as cute
 
-    from mhc_core.host import artifacts, compiler
+    from mhc_core.host.binaries import artifacts, compiler
     from mhc_dsv41.presets import h200_tp1_h5120
 
     if shutil.which("cc") is None:
@@ -194,7 +194,7 @@ def test_a_kernel_no_package_ships_needs_the_compiler_and_says_so(tmp_path, monk
 
     from mhc_core.device.configs import PUBLISH_KERNEL, PublishConfig
     from mhc_core.device.kernel import KernelSpec
-    from mhc_core.host import artifacts, compiler
+    from mhc_core.host.binaries import artifacts, compiler
 
     monkeypatch.setenv("MHC_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(artifacts, "_index", lambda: {})  # nothing shipped, nothing cached
@@ -210,11 +210,11 @@ def test_a_kernels_source_hash_covers_device_code_only() -> None:
     """A kernel's key hashes the modules it runs with: its device modules and the package
     ``__init__`` files they pass through, never the host side (a model package's ``__init__`` names
     its op under ``TYPE_CHECKING``). A host change (the compiler, an op) must not make every shipped
-    kernel look stale: on the H200 a change to ``host/compiler.py`` did, for GLM's boundary kernels."""
+    kernel look stale: on the H200 a change to ``host/binaries/compiler.py`` did, for GLM's boundary kernels."""
     import importlib
 
     from mhc_core import registry
-    from mhc_core.host import artifacts
+    from mhc_core.host.binaries import artifacts
 
     models = registry.models().values()
     host = (

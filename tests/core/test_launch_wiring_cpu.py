@@ -1,6 +1,6 @@
 """What the ops pass to their kernels, without a GPU: ops whose kernels are recorders (TVM-FFI
 functions made from Python callables) and whose device is the CPU run their real native programs
-(``mhc_core.host.programs``: the C++ executor checks, allocates and launches) on CPU tensors.
+(``mhc_core.host.calls.programs``: the C++ executor checks, allocates and launches) on CPU tensors.
 
 Covers the tp = 1 direct path against the mailbox path, MoE input, the two phases, the norm_eps
 default, output allocation, GLM's boundary selection by M and its side launch, and that every
@@ -333,7 +333,7 @@ def test_glm_side_stream_forks_before_the_boundary(tp: int) -> None:
 
 
 def test_a_program_forks_its_side_stream_once_before_the_side_launch() -> None:
-    from mhc_core.host.programs import Launch, Program
+    from mhc_core.host.calls.programs import Launch, Program
 
     op, _, _ = glm_op(1)
     boundary, mixes = op._programs.collect.launches

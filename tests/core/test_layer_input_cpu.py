@@ -1,4 +1,4 @@
-"""The layer-input option's core plumbing (issue #33, ``mhc_core.host.layer_input``), model-neutral:
+"""The layer-input option's core plumbing (issue #33, ``mhc_core.host.calls.layer_input``), model-neutral:
 the option's validation, the outputs' rules (the native executor's dtypes, aligned extents, strides
 and storage), their allocation against ``mhc_core.fp8.Fp8Format.empty_scales`` (real tensors and
 symbolic sizes), and the kernel sources. The ops' use of it: ``tests/dsv41/test_fp8_op_cpu.py``."""
@@ -14,7 +14,7 @@ HIDDEN = 640  # 5 groups of 128 (a partial packed word), 20 of 32
 
 def test_the_formats_are_mhc_core_fp8s() -> None:
     from mhc_core import fp8
-    from mhc_core.host import layer_input
+    from mhc_core.host.calls import layer_input
 
     assert tuple(layer_input.FORMATS) == ("bf16", *fp8.FORMATS)
 
@@ -31,14 +31,14 @@ def test_the_formats_are_mhc_core_fp8s() -> None:
     ],
 )
 def test_bad_options_name_their_argument(fmt: object, both: object, error: type, message: str) -> None:
-    from mhc_core.host.layer_input import LayerInput
+    from mhc_core.host.calls.layer_input import LayerInput
 
     with pytest.raises(error, match=f"^{message}"):
         LayerInput.checked(fmt, both, 80 if fmt == "mx-g32" else 96)  # 2.5 groups of 32; 0.75 of 128
 
 
 def test_names_and_order() -> None:
-    from mhc_core.host.layer_input import LayerInput
+    from mhc_core.host.calls.layer_input import LayerInput
 
     assert LayerInput.checked("bf16", False, HIDDEN).output_names(1) == ("out[1] (layer_input)",)
     assert LayerInput.checked("mx-g32", False, HIDDEN).output_names(3) == (
@@ -49,7 +49,7 @@ def test_names_and_order() -> None:
 
 
 def resolved(rule, m: int):
-    from mhc_core.host.calls import resolve
+    from mhc_core.host.calls.rules import resolve
 
     shape = tuple(resolve(dim, m, -1) for dim in rule.shapes[0])
     strides = None if rule.strides is None else tuple(resolve(dim, m, -1) for dim in rule.strides)
@@ -61,7 +61,7 @@ def resolved(rule, m: int):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_rules_and_allocation_are_the_formats(fmt: str, m: int) -> None:
     from mhc_core import fp8
-    from mhc_core.host.layer_input import LayerInput
+    from mhc_core.host.calls.layer_input import LayerInput
 
     option = LayerInput.checked(fmt, True, HIDDEN)
     layout = fp8.get_format(fmt)
@@ -91,7 +91,7 @@ def test_symbolic_allocation() -> None:
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     from mhc_core import fp8
-    from mhc_core.host.layer_input import LayerInput
+    from mhc_core.host.calls.layer_input import LayerInput
 
     mode = FakeTensorMode(shape_env=ShapeEnv())
     for m in (3, 130):
@@ -107,8 +107,8 @@ def test_symbolic_allocation() -> None:
 
 
 def test_sources() -> None:
-    from mhc_core.host.layer_input import LayerInput
-    from mhc_core.host.programs import Pointer
+    from mhc_core.host.calls.layer_input import LayerInput
+    from mhc_core.host.calls.programs import Pointer
 
     assert LayerInput().sources(1) == {"layer_input": Pointer("out[1] (layer_input)")}
     assert LayerInput.checked("fp32-g128", False, HIDDEN).sources(3) == {
@@ -121,9 +121,9 @@ def test_sources() -> None:
 
 def test_the_executor_takes_every_dtype_and_dimension() -> None:
     """Programs with FP8 outputs bind into the native executor (no kernel: a check-only call)."""
-    from mhc_core.host.calls import M, tensor
-    from mhc_core.host.layer_input import LayerInput
-    from mhc_core.host.programs import CHECK_ONLY, Program
+    from mhc_core.host.calls.layer_input import LayerInput
+    from mhc_core.host.calls.programs import CHECK_ONLY, Program
+    from mhc_core.host.calls.rules import M, tensor
 
     for fmt in FORMATS:
         option = LayerInput.checked(fmt, True, HIDDEN)

@@ -63,8 +63,8 @@ class SlowKernels(Kernels):
 def slow_all_reduce(tp: int = 2) -> tuple[Any, SlowKernels]:
     """A ``LamportAllReduce`` (with MoE input) whose kernels are slow recorders."""
     from mhc_core import LamportAllReduce
-    from mhc_core.device.collective import CollectiveKernel
     from mhc_core.device.configs import CollectiveConfig
+    from mhc_core.device.one_shot.collective import CollectiveKernel
 
     kernels = SlowKernels()
     op = object.__new__(LamportAllReduce)
@@ -172,7 +172,7 @@ def test_run_ranks_from_two_threads_never_interleave() -> None:
 def interrupt(program: Any, *, after_launch: bool) -> None:
     """Make ``program``'s next launching native call (not a check-only one) raise KeyboardInterrupt
     as it starts (nothing launched yet) or once it returns (everything launched)."""
-    from mhc_core.host.programs import CHECK_ONLY
+    from mhc_core.host.calls.programs import CHECK_ONLY
 
     real = program.native
 

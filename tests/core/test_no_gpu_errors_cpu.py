@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import mhc_core
-from mhc_core.host import support
-from mhc_core.host.groups import normalize_device
-from mhc_core.host.spin import DEFAULT_SPIN_TIMEOUT_MS
+from mhc_core.host.binaries import support
+from mhc_core.host.calls.spin import DEFAULT_SPIN_TIMEOUT_MS
+from mhc_core.host.ranks.groups import normalize_device
 
 
 def fake_cuda(monkeypatch: pytest.MonkeyPatch, *, count: int, capability: tuple[int, int] = (9, 0)) -> None:

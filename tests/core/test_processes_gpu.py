@@ -76,7 +76,7 @@ def test_a_rank_that_fails_before_allocating_stops_its_peers():
 
 def test_loopback_ranks_with_different_spin_bounds_are_refused_at_construction():
     from mhc_core import LoopbackGroup
-    from mhc_core.host.startup import StartupError
+    from mhc_core.host.ranks.startup import StartupError
     from mhc_dsv41 import AllReduceMHC
 
     group = LoopbackGroup(2, "cuda")

@@ -16,10 +16,10 @@ def test_multicast_addressing_through_local_debug_store() -> None:
     from mhc_core import LoopbackGroup
     from mhc_core.device.protocol import STORE_MULTICAST_LOCAL
     from mhc_core.device.publish import PublishConfig, PublishKernel
-    from mhc_core.host.compiler import compile_kernel, device_arch
-    from mhc_core.host.groups import MailboxMemory  # noqa: F401  (the layout the kernel addresses
-    from mhc_core.host.launch import BoundKernel
-    from mhc_core.host.mailbox import LamportMailbox
+    from mhc_core.host.binaries.compiler import compile_kernel, device_arch
+    from mhc_core.host.binaries.launch import BoundKernel
+    from mhc_core.host.ranks.groups import MailboxMemory  # noqa: F401  (the layout the kernel addresses
+    from mhc_core.host.ranks.mailbox import LamportMailbox
     from mhc_core.reference import sanitize
 
     tp, hidden, capacity, m = 4, 4608, 8, 5

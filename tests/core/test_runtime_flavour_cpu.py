@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mhc_core.host import artifacts
+from mhc_core.host.binaries import artifacts
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""``mhc_core.host.streams.SideWork``'s bookkeeping without a GPU: which event each call's native
+"""``mhc_core.host.calls.streams.SideWork``'s bookkeeping without a GPU: which event each call's native
 program waits on and records, when a join waits, and how long the side kernel's tensors are kept.
 CUDA streams and events are stand-ins that log the waits; the logic under test is the real class.
 (The GPU tests run the same sequences on real streams: tests/lifecycle, tests/core/test_misuse_gpu.py.)"""
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mhc_core.host import streams
+from mhc_core.host.calls import streams
 
 
 class FakeStream:

@@ -11,8 +11,8 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("repeat", (1, 20))
 def test_sinkhorn_device_function(repeat: int) -> None:
     from mhc_core.device.sinkhorn import SinkhornConfig, SinkhornKernel
-    from mhc_core.host.compiler import compile_kernel, device_arch
-    from mhc_core.host.launch import BoundKernel
+    from mhc_core.host.binaries.compiler import compile_kernel, device_arch
+    from mhc_core.host.binaries.launch import BoundKernel
     from mhc_core.reference import sinkhorn
 
     kernel = SinkhornKernel(SinkhornConfig(repeat=repeat))

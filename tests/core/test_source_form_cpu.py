@@ -1,7 +1,7 @@
 """A kernel key's normal form of a module is the same under every Python release (issue #34): a wheel
 built under one release must find its kernels on a host running another (the H200 host runs 3.12,
 wheels here are built under 3.11; ``ast.dump`` differs between them and 3.13). Each interpreter
-found here loads ``mhc_core/host/source_form.py`` alone and hashes every module of the packages."""
+found here loads ``mhc_core/host/binaries/source_form.py`` alone and hashes every module of the packages."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCE_FORM = ROOT / "packages" / "mhc-core" / "src" / "mhc_core" / "host" / "source_form.py"
+SOURCE_FORM = ROOT / "packages" / "mhc-core" / "src" / "mhc_core" / "host" / "binaries" / "source_form.py"
 OTHER_PYTHONS = ("python3.10", "python3.12", "python3.13")
 
 HASH_EVERY_MODULE = """
@@ -65,7 +65,7 @@ def test_every_module_has_one_normal_form_under_every_python(name: str) -> None:
 def test_comments_docstrings_and_formatting_keep_the_normal_form() -> None:
     import ast
 
-    from mhc_core.host.source_form import normal_form
+    from mhc_core.host.binaries.source_form import normal_form
 
     plain = "def f(a, b):\n    return a + b\n"
     edited = '# a comment\ndef f(\n    a,\n    b,\n):\n    """Adds."""\n    return (a + b)  # why\n'

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 KERNEL_MODULE = "mhc_dsv41.kernel"
 HASH = """
 import hashlib, json, sys
-from mhc_core.host import artifacts
+from mhc_core.host.binaries import artifacts
 module = sys.argv[1]
 assert artifacts.__file__.startswith(sys.argv[2]), artifacts.__file__
 recorded = json.loads(sys.argv[3]) if len(sys.argv) > 3 else None

@@ -21,7 +21,7 @@ class Slots:
 
 def test_a_route_report_seen_inside_a_capture_is_raised_whole_afterwards(monkeypatch: pytest.MonkeyPatch) -> None:
     from mhc_core.constants import ERROR_ROUTE_INDEX, ROUTE_CODE, ROUTE_INDEX, ROUTE_TOKEN
-    from mhc_core.host import spin
+    from mhc_core.host.calls import spin
 
     monkeypatch.setattr(spin, "_REPORT_SLOTS", Slots())
     capturing = True

@@ -1,4 +1,4 @@
-"""The host side of the pinned error report (``mhc_core.host.spin.SpinGuard``) without numpy.
+"""The host side of the pinned error report (``mhc_core.host.calls.spin.SpinGuard``) without numpy.
 
 ``SpinGuard`` reads the words the kernels store into pinned host memory through a ctypes view of
 that address (it used ``Tensor.numpy()``, which made numpy a dependency of mhc-core for this one
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from mhc_core.constants import ERROR_CODE, ERROR_NONE, ERROR_RANKS, ERROR_STAGE, ERROR_TOKEN, ROUTE_CODE
-from mhc_core.host import spin
-from mhc_core.host.spin import LamportTimeoutError, RouteIndexError
+from mhc_core.host.calls import spin
+from mhc_core.host.calls.spin import LamportTimeoutError, RouteIndexError
 
 TP = 2
 
@@ -60,7 +60,7 @@ def test_spin_guard_needs_no_numpy() -> None:
         import sys
         sys.modules["numpy"] = None  # any `import numpy` now raises ImportError
         import torch
-        from mhc_core.host import spin
+        from mhc_core.host.calls import spin
         slot = torch.zeros(16, dtype=torch.int32)
         spin._REPORT_SLOTS.take = lambda words: slot[:words]
         torch.cuda.synchronize = lambda device=None: None

@@ -1,4 +1,4 @@
-"""The startup every rank agrees on (``mhc_core.host.startup``), with real processes over a gloo
+"""The startup every rank agrees on (``mhc_core.host.ranks.startup``), with real processes over a gloo
 group on a CPU: ranks built with different configurations, or one rank whose construction fails,
 raise on every rank before anything is allocated, and no rank waits for a peer that will never
 come. (The votes run before the device is touched, so a CPU shows them; what follows them needs a
@@ -92,7 +92,7 @@ def test_loopback_ranks_compare_their_configurations():
     """Loopback ranks (one process) vote too: the first rank's fingerprint is what later ranks of the
     same instance must match (rank 0 then fails on the CPU's missing device, after its vote)."""
     from mhc_core import LoopbackGroup
-    from mhc_core.host.startup import StartupError
+    from mhc_core.host.ranks.startup import StartupError
     from mhc_dsv41 import AllReduceMHC
 
     group = LoopbackGroup(2, "cuda:0")

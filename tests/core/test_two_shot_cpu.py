@@ -71,7 +71,7 @@ def test_cost_model_crossover() -> None:
 def test_mailbox_regions_and_their_memory() -> None:
     """At tp 8, capacity 1024, hidden 7168 (the issue's case) the regions of an op routed at the cost
     model's crossover take at most 0.35 x the one-shot mailbox of the same capacity."""
-    from mhc_core.host.mailbox import MailboxLayout, mailbox_elements
+    from mhc_core.host.ranks.mailbox import MailboxLayout, mailbox_elements
     from mhc_core.protocols import choose_protocol
 
     choice = choose_protocol("auto", tp=8, hidden=7168, transport="unicast", capacity=1024)
@@ -109,7 +109,7 @@ def test_two_shot_kernels_compile_without_local_memory(arch: str) -> None:
         PublishConfig,
         ReduceConfig,
     )
-    from mhc_core.host.compiler import KernelSpec, compile_kernel
+    from mhc_core.host.binaries.compiler import KernelSpec, compile_kernel
 
     for spec in (
         KernelSpec(PUBLISH_KERNEL, PublishConfig(hidden=5120, tp=8, scatter=True)),
@@ -126,7 +126,7 @@ def two_shot_state(op, tp: int, kernels: Kernels, requested: str = "auto") -> No
     """What construction leaves for an op with a two-shot from ``CROSSOVER`` tokens (or every M)."""
     from mhc_core.device.configs import PublishConfig, ReduceConfig
     from mhc_core.device.publish import FinalizePublishKernel, PublishKernel
-    from mhc_core.device.two_shot import ReduceKernel
+    from mhc_core.device.two_shot.reduce import ReduceKernel
     from mhc_core.protocols import ProtocolChoice
 
     start = 1 if requested == "two-shot" else CROSSOVER

@@ -29,7 +29,7 @@ class Spin:
         self.timeout_ms, self.limit_ns, self.timed_out = OP_BOUND_MS, int(OP_BOUND_MS * 1e6), False
 
     def check(self) -> None:
-        from mhc_core.host.spin import LamportTimeoutError
+        from mhc_core.host.calls.spin import LamportTimeoutError
 
         if self.timed_out:
             raise LamportTimeoutError(
@@ -44,7 +44,7 @@ def _build(rank: int, world: int) -> dict[str, Any]:
     from mhc_core import LamportAllReduce
     from mhc_core.host import library
     from mhc_core.host import op as op_module
-    from mhc_core.host.startup import construction
+    from mhc_core.host.ranks.startup import construction
 
     library.torch._dynamo.mark_static_address = lambda tensor: None
     torch.cuda.synchronize = lambda device=None: None

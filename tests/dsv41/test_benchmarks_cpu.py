@@ -13,8 +13,8 @@ class _Built(Exception):
 
 def test_geometry_suite_builds_every_variant_with_valid_options(monkeypatch) -> None:
     from mhc_core.bench.records import Context
+    from mhc_core.host.calls.validation import INT32_MAX, check_int
     from mhc_core.host.op import MAX_NUM_TOKENS
-    from mhc_core.host.validation import INT32_MAX, check_int
     from mhc_dsv41 import AllReduceMHC
     from mhc_dsv41.bench import suites
 

@@ -140,7 +140,7 @@ def test_the_quantiser_constants_are_mhc_core_fp8s() -> None:
 
 # ------------------------------------------------------------------ the kernels
 def compiled(preset: str, arch: str, fmt: str, both: bool, persistent: bool):
-    from mhc_core.host.compiler import KernelSpec, compile_kernel
+    from mhc_core.host.binaries.compiler import KernelSpec, compile_kernel
     from mhc_dsv41.config import COLLECTIVE_KERNEL
     from tests import presets  # shipped and test presets
 
@@ -208,7 +208,7 @@ def test_fp8_collective_compiles_and_quantises(preset: str, arch: str, fmt: str,
 )
 def test_padding_bytes_of_a_partial_scale_word(fmt: str, hidden: int) -> None:
     """With ``G % 4 != 0`` the last group's lane also zeroes the bytes after it in its word."""
-    from mhc_core.host.compiler import KernelSpec, compile_kernel
+    from mhc_core.host.binaries.compiler import KernelSpec, compile_kernel
     from mhc_dsv41.config import COLLECTIVE_KERNEL, MHCConfig
 
     config = MHCConfig(hidden=hidden, hc=4, tp=1, cluster_size=5, threads=128, rank_lanes=1, layer_input_format=fmt)

@@ -82,7 +82,7 @@ def fp8_op(tp: int, fmt: str, both: bool):
     from types import SimpleNamespace
 
     from mhc_core.device.publish import FinalizePublishKernel, PublishConfig, PublishKernel
-    from mhc_core.host.layer_input import LayerInput
+    from mhc_core.host.calls.layer_input import LayerInput
     from mhc_dsv41 import AllReduceMHC
     from mhc_dsv41.config import CollectiveTarget, collective_routing
     from mhc_dsv41.kernel import LamportMHCKernel, MHCConfig

@@ -134,7 +134,7 @@ def bf16_ops(target: str | int, *, persistent: bool) -> list | None:
 
 def kernel_specs(arch: str = "sm_90a") -> list[tuple[str, dict[str, Any]]]:
     """Every kernel these tests' ops launch, as (class path, config), each once: to compile them ahead
-    into the cache for a host without the DSL compiler (``mhc_core.host.compiler.compile_kernel(
+    into the cache for a host without the DSL compiler (``mhc_core.host.binaries.compiler.compile_kernel(
     KernelSpec(path, config), arch, persist=True)``). The presets' publishes ship; the plain sizes'
     do not."""
     specs: dict[str, tuple[str, dict[str, Any]]] = {}

@@ -8,7 +8,7 @@ import pytest
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 def test_persistent_collective_fits_its_register_budget(tp: int) -> None:
-    from mhc_core.host.compiler import KernelSpec, compile_kernel
+    from mhc_core.host.binaries.compiler import KernelSpec, compile_kernel
     from mhc_dsv41 import presets
     from mhc_dsv41.config import COLLECTIVE_REGISTERS, MHCConfig, resident_clusters
 

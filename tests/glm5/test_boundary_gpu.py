@@ -494,7 +494,7 @@ def test_mixes_kernel_does_not_wait_for_the_boundary_in_a_graph(name: str, tmp_p
 
 def mixes_alone(op):
     """The op's mixes kernel launched by itself (with the op's buffers and spin bound)."""
-    from mhc_core.host.launch import BoundKernel
+    from mhc_core.host.binaries.launch import BoundKernel
 
     kernel = op._mixes_kernel
     fixed = dict(

@@ -254,7 +254,7 @@ def test_signature_and_entry(variant: str, fmt: str) -> None:
 
     from cutlass import Float8E4M3FN, Float32, Int32, Uint8
 
-    from mhc_core.host.compiler import kernel_from_spec
+    from mhc_core.host.binaries.compiler import kernel_from_spec
     from mhc_glm5.boundary import boundary_signature
 
     kernel = kernel_from_spec(kernel_path(variant), dataclasses.asdict(config(variant, fmt)))
@@ -273,7 +273,7 @@ def test_signature_and_entry(variant: str, fmt: str) -> None:
 
 # ------------------------------------------------------------------ the kernels
 def compiled(variant: str, fmt: str, both: bool, arch: str = "sm_90a", **fields):
-    from mhc_core.host.compiler import KernelSpec, compile_kernel
+    from mhc_core.host.binaries.compiler import KernelSpec, compile_kernel
 
     spec = KernelSpec(kernel_path(variant), dataclasses.asdict(config(variant, fmt, both, arch, **fields)))
     result = compile_kernel(spec, arch, inspect=True, prebuilt=False)
@@ -375,8 +375,8 @@ BF16_PTX_TOOLCHAIN = ("4.8.1", "// Cuda compilation tools, release 13.4, V13.4.5
 
 @pytest.mark.parametrize("preset, kernel, arch", tuple(BF16_PTX_SHA256))
 def test_bf16_kernels_ptx_unchanged(preset: str, kernel: str, arch: str) -> None:
-    from mhc_core.host.artifacts import dsl_release
-    from mhc_core.host.compiler import KernelSpec, compile_kernel
+    from mhc_core.host.binaries.artifacts import dsl_release
+    from mhc_core.host.binaries.compiler import KernelSpec, compile_kernel
     from tests import presets
 
     path, fields = presets.get("glm5", preset).KERNELS[arch][kernel]

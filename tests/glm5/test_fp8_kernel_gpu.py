@@ -1,5 +1,5 @@
 """The GLM-5.3 boundary kernels' FP8 layer input on the GPU (issue #33), each compiled kernel launched
-directly (``mhc_core.host.launch.BoundKernel``).
+directly (``mhc_core.host.binaries.launch.BoundKernel``).
 
 Every variant (one-token; CUDA-core grouped, 4 tokens per cluster; tensor-core grouped, 16; the
 persistent boundary, groups of 8 looping over 3 clusters) x every format, once each (``MATRIX``: 12
@@ -74,7 +74,7 @@ UNWRITTEN = 0xA5
 
 def boundary_config(variant: str, fmt: str = "bf16", both: bool = False, arch: str | None = None) -> dict[str, Any]:
     """The kernel config of ``variant`` for ``arch`` (None: this process's GPU's)."""
-    from mhc_core.host.compiler import device_arch
+    from mhc_core.host.binaries.compiler import device_arch
     from mhc_glm5.boundary import BoundaryConfig
 
     fields = {**GEOMETRY, **VARIANTS[variant], "mixed_fma": (arch or device_arch()) != "sm_90a"}
@@ -83,14 +83,14 @@ def boundary_config(variant: str, fmt: str = "bf16", both: bool = False, arch: s
 
 def kernel_configs(arch: str = "sm_90a") -> list[dict[str, Any]]:
     """The FP8 configs these tests launch (to build them ahead of a run on a host without the DSL
-    compiler: ``mhc_core.host.compiler.compile_kernel(..., persist=True)``); the BF16 ones are the
+    compiler: ``mhc_core.host.binaries.compiler.compile_kernel(..., persist=True)``); the BF16 ones are the
     presets'."""
     return [boundary_config(variant, fmt, both, arch) for variant, fmt, both in MATRIX]
 
 
 def bound_boundary(config: dict[str, Any]):
-    from mhc_core.host.compiler import KernelSpec, compile_kernel, device_arch
-    from mhc_core.host.launch import BoundKernel
+    from mhc_core.host.binaries.compiler import KernelSpec, compile_kernel, device_arch
+    from mhc_core.host.binaries.launch import BoundKernel
     from mhc_glm5.config import PERSISTENT_KERNEL, grouped_kernel_path
 
     if config["persistent"]:
@@ -146,8 +146,8 @@ def launch(config: dict[str, Any], inputs: dict[str, torch.Tensor], m: int, pois
     """One launch of ``config``'s boundary kernel; returns its outputs (FP8 ones where it has them)."""
     from mhc_core import fp8
     from mhc_core.constants import ERROR_COPY, ERROR_WORD, HEADER_ENTRY_BYTES, LAMPORT_GENERATIONS
-    from mhc_core.host.mailbox import mailbox_elements
-    from mhc_core.host.spin import SpinGuard
+    from mhc_core.host.calls.spin import SpinGuard
+    from mhc_core.host.ranks.mailbox import mailbox_elements
 
     hidden, tp = config["hidden"], config["tp"]
     device = torch.device("cuda")

@@ -72,7 +72,7 @@ def fp8_op(tp: int, fmt: str, both: bool):
     from types import SimpleNamespace
 
     from mhc_core.device.publish import FinalizePublishKernel, PublishConfig, PublishKernel
-    from mhc_core.host.layer_input import LayerInput
+    from mhc_core.host.calls.layer_input import LayerInput
     from mhc_glm5 import AllReduceMhcBoundary
     from mhc_glm5.boundary import BoundaryConfig, BoundaryKernel
     from mhc_glm5.config import PERSISTENT, BoundaryTarget, boundary_routing

@@ -120,7 +120,7 @@ def bf16_ops(name: str, every: bool) -> list:
 
 def kernel_specs(arch: str = "sm_90a") -> list[tuple[str, dict[str, Any]]]:
     """The FP8 boundary kernels these tests' ops launch, as (class path, config), each once: to
-    compile them ahead into the cache for a host without the DSL compiler (``mhc_core.host.compiler.
+    compile them ahead into the cache for a host without the DSL compiler (``mhc_core.host.binaries.compiler.
     compile_kernel(KernelSpec(path, config), arch, persist=True)``); the publishes and the mixes
     kernel are the presets'."""
     from tests import presets

@@ -15,7 +15,7 @@ BULK_COPY = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
 def boundary(arch: str, tokens: int, tp: int = 1, hidden: int = 4096, persistent: bool = False):
     """The kernel an op serving ``tokens`` per cluster compiles (``config.grouped_kernel_path``), or
     its persistent boundary."""
-    from mhc_core.host.compiler import kernel_from_spec
+    from mhc_core.host.binaries.compiler import kernel_from_spec
     from mhc_glm5.config import PERSISTENT_KERNEL, grouped_kernel_path
 
     config = {

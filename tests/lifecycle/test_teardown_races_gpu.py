@@ -238,7 +238,7 @@ def test_a_rank_failing_in_its_warm_up_is_named_within_the_warm_up_bound() -> No
 def _short_handle(rank: int, world: int) -> None:
     import torch.distributed as dist
 
-    from mhc_core.host import cuda_ipc
+    from mhc_core.host.ranks import cuda_ipc
 
     torch.cuda.set_device(0)
     if rank == 1:  # exports the handle of another, smaller allocation than its mailbox

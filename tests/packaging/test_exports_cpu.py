@@ -36,7 +36,7 @@ def test_both_ops_have_supports() -> None:
 
 def test_compile_times_are_logged(caplog: pytest.LogCaptureFixture) -> None:
     from mhc_core.device.publish import PublishConfig, PublishKernel
-    from mhc_core.host.compiler import compile_kernel
+    from mhc_core.host.binaries.compiler import compile_kernel
 
     with caplog.at_level(logging.INFO, logger="mhc"):
         compile_kernel(PublishKernel(PublishConfig(hidden=1040, tp=2, threads=64)), "sm_90a")

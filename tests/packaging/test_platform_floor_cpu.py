@@ -92,7 +92,7 @@ def test_the_build_tags_the_core_wheel_with_the_floor(core_wheel: Path, tmp_path
 def kernel_wheel(folder: Path) -> Path:
     """A model-style wheel as hatch writes one that carries kernels: a library linked the way
     ``tools.export_kernels`` links the exported kernels (``artifacts.link``), in ``kernels/<arch>/``."""
-    from mhc_core.host import artifacts
+    from mhc_core.host.binaries import artifacts
 
     if shutil.which("cc") is None:
         pytest.skip("linking a kernel library needs a C compiler (cc)")

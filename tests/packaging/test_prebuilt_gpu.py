@@ -92,8 +92,8 @@ def shipped_for(arch: str) -> bool:
     distributions = ("mhc-core", *registry.distributions())
     sys.path[:0] = [str(ROOT / "packages" / distribution / "src") for distribution in distributions]
     from mhc_core.device.kernel import KernelSpec
-    from mhc_core.host import artifacts
-    from mhc_core.host.compiler import CALLING_CONVENTION
+    from mhc_core.host.binaries import artifacts
+    from mhc_core.host.binaries.compiler import CALLING_CONVENTION
 
     for model in registry.models().values():
         presets = importlib.import_module(model.presets_package)
@@ -107,7 +107,7 @@ def shipped_for(arch: str) -> bool:
 def test_preset_ops_run_on_shipped_kernels_alone() -> None:
     import torch
 
-    from mhc_core.host.compiler import device_arch
+    from mhc_core.host.binaries.compiler import device_arch
 
     arch = device_arch(torch.cuda.current_device())
     if not shipped_for(arch):

@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 RESOLVE = """
 import importlib, subprocess, sys
 from mhc_core import registry
-from mhc_core.host import artifacts
-from mhc_core.host.compiler import CALLING_CONVENTION
+from mhc_core.host.binaries import artifacts
+from mhc_core.host.binaries.compiler import CALLING_CONVENTION
 assert all(str(path).startswith(sys.argv[1]) for path in artifacts.manifests()), artifacts.manifests()
 assert sorted(registry.packages()) == sorted(sys.argv[2].split(",")), registry.packages()
 resolved = 0
@@ -51,7 +51,7 @@ print(resolved)
 LOAD = """
 import json, sys
 from pathlib import Path
-from mhc_core.host import artifacts
+from mhc_core.host.binaries import artifacts
 manifest = artifacts.manifests()[0]
 entry = json.loads(manifest.read_text())["kernels"][0]
 key = artifacts.KernelKey(**{field: entry[field] for field in artifacts.KernelKey.__dataclass_fields__})
@@ -131,8 +131,8 @@ def test_a_fresh_venv_resolves_every_preset_kernel(shipped_wheels: dict[str, Pat
 def test_the_test_presets_are_not_shipped(shipped_wheels: dict[str, Path]) -> None:
     """Test presets (issue #34) are the tests' (``tests.presets``): neither their modules nor their own
     kernels are in the wheels; kernels they share with a shipped preset are."""
-    from mhc_core.host import artifacts
-    from mhc_core.host.compiler import CALLING_CONVENTION
+    from mhc_core.host.binaries import artifacts
+    from mhc_core.host.binaries.compiler import CALLING_CONVENTION
     from tests import presets
 
     for package, entry in MODELS.items():

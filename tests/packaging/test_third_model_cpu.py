@@ -98,11 +98,11 @@ TOY = {
     "src/mhc_toy/kernel.py": '''
         """The toy's device code: mhc-core's collective (publish, wait, FP32 tree sum), as its own class."""
 
-        from mhc_core.device.collective import CollectiveKernel
+        from mhc_core.device.one_shot.collective import CollectiveKernel
 
 
         class ToyAllReduce(CollectiveKernel):
-            """The plain all-reduce collective (``mhc_core.device.collective``)."""
+            """The plain all-reduce collective (``mhc_core.device.one_shot.collective``)."""
     ''',
     "src/mhc_toy/op.py": '''
         """The toy's op: what a preset module's ``build`` returns."""
@@ -153,8 +153,8 @@ TOY = {
 LOOKUP = f"""
 import sys
 from mhc_core import registry
-from mhc_core.host import artifacts
-from mhc_core.host.compiler import CALLING_CONVENTION
+from mhc_core.host.binaries import artifacts
+from mhc_core.host.binaries.compiler import CALLING_CONVENTION
 toy = registry.model("toy")
 presets = __import__(toy.presets_package, fromlist=["get"])
 module = presets.get({PRESET!r})

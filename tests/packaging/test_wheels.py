@@ -50,7 +50,7 @@ EXTRAS = {"mhc-core": CORE_EXTRAS, **dict.fromkeys(MODELS, MODEL_EXTRAS)}
 #: package not listed here is checked against its __init__ alone.
 KNOWN_VERSIONS = {"mhc-core": "0.6.0", "mhc-dsv41": "0.5.2", "mhc-glm5": "0.9.2"}
 #: mhc-core ships its host library (libmhc_host.so, built from executor.cc): always platform-tagged.
-NATIVE = ("mhc_core/host/native/libmhc_host.so", "mhc_core/host/native/libmhc_host.json")
+NATIVE = ("mhc_core/host/binaries/native/libmhc_host.so", "mhc_core/host/binaries/native/libmhc_host.json")
 LICENSE = ROOT / "LICENSE"
 #: sha256 of https://www.apache.org/licenses/LICENSE-2.0.txt (11,358 bytes).
 APACHE_2_0_SHA256 = "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
@@ -137,7 +137,11 @@ def test_contents(package: str, wheels: dict[str, Path]) -> None:
     shipped = {name for name in names if not name.startswith(f"{module}-{VERSIONS[package]}.dist-info/")}
     expected = {str(path.relative_to(source.parent)) for path in source.rglob("*.py")} | {f"{module}/py.typed"}
     if package == "mhc-core":  # the host library and the sources its digest is checked against
-        expected |= {*NATIVE, "mhc_core/host/native/executor.cc", "mhc_core/host/native/glibc_floor.cc"}
+        expected |= {
+            *NATIVE,
+            "mhc_core/host/binaries/native/executor.cc",
+            "mhc_core/host/binaries/native/glibc_floor.cc",
+        }
     kernels = {name for name in shipped if "/kernels/" in name}  # exported kernels, where there are
     assert shipped - kernels == expected
 

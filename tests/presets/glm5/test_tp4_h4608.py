@@ -206,7 +206,10 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "scatter": True,
             },
         ),
-        "reduce": ("mhc_core.device.two_shot:ReduceKernel", {"hidden": 4608, "tp": 4, "threads": 128, "lanes": 1}),
+        "reduce": (
+            "mhc_core.device.two_shot.reduce:ReduceKernel",
+            {"hidden": 4608, "tp": 4, "threads": 128, "lanes": 1},
+        ),
         "gather_boundary": (
             "mhc_glm5.boundary:BoundaryKernel",
             {
@@ -265,7 +268,7 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
 
 def kernels(arch: str, names: Iterable[str] | None = None) -> dict[str, DeviceKernel]:
     """This preset's kernel objects for ``arch`` (all, or those in ``names``), not yet compiled."""
-    from mhc_core.host.compiler import kernel_from_spec
+    from mhc_core.host.binaries.compiler import kernel_from_spec
 
     if arch not in KERNELS:
         raise ValueError(f"preset {NAME!r} targets {', '.join(KERNELS)}; got arch {arch!r}")
@@ -285,7 +288,7 @@ def build(
 ) -> AllReduceMhcBoundary:
     """``AllReduceMhcBoundary.from_config(PRESET, ...)``: collective over ``group`` (of size ``PRESET.tp``). A CUDA
     ``device`` on a CPU-only torch raises first, however it is spelled."""
-    from mhc_core.host.support import require_cuda_build
+    from mhc_core.host.binaries.support import require_cuda_build
     from mhc_glm5.op import AllReduceMhcBoundary as op
 
     require_cuda_build(device)

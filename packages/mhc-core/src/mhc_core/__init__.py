@@ -1,9 +1,10 @@
 """mhc-core: the Lamport one-shot all-reduce protocol and what the fused mHC ops share.
 
 Layers: ``mhc_core.device`` (what runs in a kernel: primitives, protocol, reductions, the
-publish and collective kernels) and ``mhc_core.host`` (what builds, launches and orders them:
-ops, groups, mailbox, compiler, launch); pure-Python modules beside them (``constants``,
-``presets``, ``compat``) and the torch references (``reference``).
+publish kernels, and each protocol's own kernels in ``one_shot/`` and ``two_shot/``) and
+``mhc_core.host`` (what builds, launches and orders them: the ops on ``calls/``, ``ranks/`` and
+``binaries/``); pure-Python modules beside them (``constants``, ``presets``, ``compat``) and the
+torch references (``reference``).
 
 Importing the package is cheap: the CuTe DSL and torch load when a kernel-facing
 name is first used (``mhc_core.LamportAllReduce``, ...), so pure-Python parts
@@ -25,24 +26,24 @@ _EXPORTS = {
     "LamportAllReduce": "host.allreduce",
     "lamport_all_reduce": "host.allreduce",
     "close_lamport_all_reduce": "host.allreduce",
-    "LamportMailbox": "host.mailbox",
-    "LoopbackGroup": "host.groups",
-    "LoopbackRank": "host.groups",
-    "run_ranks": "host.groups",
-    "MoEOutput": "host.moe",
+    "LamportMailbox": "host.ranks.mailbox",
+    "LoopbackGroup": "host.ranks.groups",
+    "LoopbackRank": "host.ranks.groups",
+    "run_ranks": "host.ranks.groups",
+    "MoEOutput": "host.calls.moe",
     "LamportOp": "host.op",
     "OpPoisonedError": "host.op",
     "Plan": "host.op",
-    "LamportTimeoutError": "host.spin",
-    "RouteIndexError": "host.spin",
-    "TokenCountError": "host.spin",
-    "SpinGuard": "host.spin",
-    "compile_kernel": "host.compiler",
-    "device_arch": "host.compiler",
-    "is_supported": "host.support",
-    "device_problem": "host.support",
-    "FusedSupport": "host.fallback",
-    "check_fused_support": "host.fallback",
+    "LamportTimeoutError": "host.calls.spin",
+    "RouteIndexError": "host.calls.spin",
+    "TokenCountError": "host.calls.spin",
+    "SpinGuard": "host.calls.spin",
+    "compile_kernel": "host.binaries.compiler",
+    "device_arch": "host.binaries.compiler",
+    "is_supported": "host.binaries.support",
+    "device_problem": "host.binaries.support",
+    "FusedSupport": "host.ranks.fallback",
+    "check_fused_support": "host.ranks.fallback",
     "find_preset": "preset_lookup",
 }
 
@@ -75,14 +76,14 @@ __all__ = [
 
 if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ loads each on first use
     from .host.allreduce import LamportAllReduce, close_lamport_all_reduce, lamport_all_reduce
-    from .host.compiler import compile_kernel, device_arch
-    from .host.fallback import FusedSupport, check_fused_support
-    from .host.groups import LoopbackGroup, LoopbackRank, run_ranks
-    from .host.mailbox import LamportMailbox
-    from .host.moe import MoEOutput
+    from .host.binaries.compiler import compile_kernel, device_arch
+    from .host.binaries.support import device_problem, is_supported
+    from .host.calls.moe import MoEOutput
+    from .host.calls.spin import LamportTimeoutError, RouteIndexError, SpinGuard, TokenCountError
     from .host.op import LamportOp, OpPoisonedError, Plan
-    from .host.spin import LamportTimeoutError, RouteIndexError, SpinGuard, TokenCountError
-    from .host.support import device_problem, is_supported
+    from .host.ranks.fallback import FusedSupport, check_fused_support
+    from .host.ranks.groups import LoopbackGroup, LoopbackRank, run_ranks
+    from .host.ranks.mailbox import LamportMailbox
     from .preset_lookup import find_preset
 
 

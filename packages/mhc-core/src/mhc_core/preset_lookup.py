@@ -112,7 +112,7 @@ def _arch(arch: object, capability: tuple[int, int] | None, device: Any) -> str:
             known = ", ".join(f"{major}.{minor}" for major, minor in ARCH_BY_CAPABILITY)
             raise ValueError(f"capability: expected one of {known}, got {key[0]}.{key[1]}")
         return ARCH_BY_CAPABILITY[key]
-    from .host.compiler import device_arch
+    from .host.binaries.compiler import device_arch
 
     return device_arch(device)
 

@@ -7,7 +7,7 @@ A model package (``mhc_dsv41``, ``mhc_glm5``, a third one) holds one ``Model`` (
     dsv41 = "mhc_dsv41.model:MODEL"
 
 Codegen, ``tools.compile_presets`` / ``tools.export_kernels``, the shipped-kernel lookup
-(``mhc_core.host.artifacts``), the noxfile, the benchmarks and the import-layer test iterate
+(``mhc_core.host.binaries.artifacts``), the noxfile, the benchmarks and the import-layer test iterate
 ``models()``: no file outside a model package names a model.
 
 Discovery (``models()``), first found wins per key, in this order:

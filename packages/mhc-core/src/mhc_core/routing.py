@@ -5,7 +5,7 @@ boundary, DSV's one-token and persistent collectives) holds an ``MRangeDispatch`
 ascending ``min_tokens``, the first from 1; a call of M tokens takes the last route whose
 ``min_tokens <= M``. The preset (or the op's constructor) builds and validates it, the op selects
 with it (``select``), and the native program receives it as data: ``thresholds`` beside the kernels
-of ``targets``, in the same order (``mhc_core.host.programs.Launch.min_tokens``; ``executor.cc``
+of ``targets``, in the same order (``mhc_core.host.calls.programs.Launch.min_tokens``; ``executor.cc``
 picks the same route). Targets are the model's own typed values (``mhc_glm5.config.BoundaryTarget``,
 ``mhc_dsv41.config.CollectiveTarget``), never kernel-name strings.
 """

@@ -47,8 +47,8 @@ from cutlass import BFloat16, Boolean, Float8E4M3FN, Float32, Int32, Int64, Uint
 
 from mhc_core.constants import VEC_BF16
 from mhc_core.device import bundle, protocol, ptx, quant, reduce
-from mhc_core.device.collective import mailbox_params
 from mhc_core.device.kernel import DeviceKernel
+from mhc_core.device.one_shot.collective import mailbox_params
 from mhc_core.device.signature import Param, Ptr, Scalar, Signature, Stream
 
 from .config import MHCConfig
@@ -184,7 +184,7 @@ class SublayerOutput(bundle.KernelBundle):
 
 @dataclass(frozen=True)
 class Exchange(bundle.KernelBundle):
-    """The mailbox and the stage state (``mhc_core.device.collective.mailbox_params``)."""
+    """The mailbox and the stage state (``mhc_core.device.one_shot.collective.mailbox_params``)."""
 
     mailbox: cute.Tensor
     stage_state: cute.Tensor

@@ -10,7 +10,7 @@ An op built with an FP8 ``layer_input_format`` (issue #33) goes through ``mhc::d
 ``mhc::dsv41_finalize_fp8`` and ``mhc::dsv41_collect_fp8``: the same arguments, then the format and
 ``layer_input_bf16`` (checked against the op's: the fake implementations derive the outputs from the
 arguments alone), returning ``(residual_out, q, scales, layer_input)``, ``layer_input`` empty
-unless kept (``mhc_core.host.layer_input``: ``q`` ``float8_e4m3fn [M, hidden]``, ``scales`` of the
+unless kept (``mhc_core.host.calls.layer_input``: ``q`` ``float8_e4m3fn [M, hidden]``, ``scales`` of the
 format's shape, strides and allocation, ``mhc_core.fp8.Fp8Format.empty_scales``). Separate ops, so
 the BF16 ones keep their schema and cost; the wrappers pick by the op's format and return a tuple.
 
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from torch import Tensor
 
 from mhc_core.host.boundary_ops import BoundaryOps
-from mhc_core.host.moe import MoEOutput  # at import: an import inside a wrapper costs each call
+from mhc_core.host.calls.moe import MoEOutput  # at import: an import inside a wrapper costs each call
 
 if TYPE_CHECKING:  # the wrappers below are typed by the op class (imported by the caller already)
     from .op import AllReduceMHC

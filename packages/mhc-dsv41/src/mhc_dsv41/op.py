@@ -6,7 +6,7 @@ collective (``mhc_dsv41.kernel``). At tp = 1 a plain call is one launch: the col
 reads ``x`` itself (nothing to all-reduce; bitwise the mailbox path's outputs); ``finalize``
 and the two-phase form keep the publish. Construction is collective over ``group``.
 
-The layer input's format is an option (issue #33, ``mhc_core.host.layer_input``):
+The layer input's format is an option (issue #33, ``mhc_core.host.calls.layer_input``):
 ``layer_input_format="bf16"`` (the default) returns ``(residual_out, layer_input)``; an FP8 format
 (``"fp32-g128"``, ``"ue8m0-g128-packed"``, ``"mx-g32"``: ``mhc_core.fp8``) returns ``(residual_out,
 q, scales)``, and with ``layer_input_bf16=True`` ``(residual_out, q, scales, layer_input)``, from
@@ -21,14 +21,14 @@ from typing import Any, cast
 import torch
 
 from mhc_core.device.configs import TRIGGER_AFTER_STORES
-from mhc_core.host.calls import IN_PLACE_LAYER_INPUT, M, Rule, ScalarRule, TensorRule, tensor
-from mhc_core.host.compiler import KernelSpec
-from mhc_core.host.layer_input import LayerInput, preset_changes
-from mhc_core.host.moe import MoEOutput
+from mhc_core.host.binaries.compiler import KernelSpec
+from mhc_core.host.calls.layer_input import LayerInput, preset_changes
+from mhc_core.host.calls.moe import MoEOutput
+from mhc_core.host.calls.programs import Fixed, Launch, Pointer, Scalar, Source, pointers
+from mhc_core.host.calls.rules import IN_PLACE_LAYER_INPUT, M, Rule, ScalarRule, TensorRule, tensor
+from mhc_core.host.calls.validation import INT32_MAX, check_int, check_positive_float
 from mhc_core.host.op import MAX_NUM_TOKENS, LamportOp
-from mhc_core.host.programs import Fixed, Launch, Pointer, Scalar, Source, pointers
-from mhc_core.host.startup import collective
-from mhc_core.host.validation import INT32_MAX, check_int, check_positive_float
+from mhc_core.host.ranks.startup import collective
 from mhc_core.presets import MAX_TOP_K, warn_if_untuned
 from mhc_core.protocols import ONE_SHOT, TWO_SHOT
 
@@ -80,7 +80,7 @@ class AllReduceMHC(LamportOp):
         spin_timeout_ms: device-side bound on every poll, in ms (default 600 000, NCCL's default
             collective timeout; 0 turns it off; also ``MHC_SPIN_TIMEOUT_MS``).
         mailbox_allocation: how a process group's mailboxes are allocated: "auto" (default; also
-            ``MHC_MAILBOX_ALLOCATION``), "symmetric" or "ipc" (``mhc_core.host.allocation``).
+            ``MHC_MAILBOX_ALLOCATION``), "symmetric" or "ipc" (``mhc_core.host.ranks.allocation``).
         check_routes: verify MoE route indices on the device (debug mode).
         norm_eps: the RMSNorm epsilon of every call that passes none (as ``AllReduceMhcBoundary``
             takes it; a preset's ``norm_eps`` with ``from_preset``). A call may still pass its own.

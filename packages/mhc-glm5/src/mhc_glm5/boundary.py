@@ -62,8 +62,8 @@ from cutlass import BFloat16, Boolean, Float8E4M3FN, Float32, Int32, Int64, Uint
 
 from mhc_core.constants import VEC_BF16, WARP_SIZE
 from mhc_core.device import bundle, protocol, ptx, quant, reduce
-from mhc_core.device.collective import mailbox_params
 from mhc_core.device.kernel import DeviceKernel
+from mhc_core.device.one_shot.collective import mailbox_params
 from mhc_core.device.signature import Buffer, Param, Ptr, Scalar, Signature, Stream
 from mhc_core.fp8_formats import BF16, LayerInputConfig
 
@@ -200,7 +200,7 @@ class SublayerOutput(bundle.KernelBundle):
 
 @dataclass(frozen=True)
 class Exchange(bundle.KernelBundle):
-    """The mailbox and the stage state (``mhc_core.device.collective.mailbox_params``), and the
+    """The mailbox and the stage state (``mhc_core.device.one_shot.collective.mailbox_params``), and the
     clusters' arrival counter."""
 
     mailbox: cute.Tensor

@@ -19,10 +19,10 @@ CUDA graphs: capture in any order (right after construction, after an eager call
 never joined, between replays; torch's side-stream warm-up recipe too), and call ``join()``
 before the capture ends, so the side stream rejoins the captured one. The side kernel's
 tensors (``post_out``, ``comb_out``, ``scale``, ``base``) stay alive until it is joined, also
-when the caller drops them first (``mhc_core.host.streams.SideWork``); the op's own hand-off rows
+when the caller drops them first (``mhc_core.host.calls.streams.SideWork``); the op's own hand-off rows
 and raw mixes outlive the op until its side work has finished.
 
-The layer input's format is an option (issue #33, ``mhc_core.host.layer_input``):
+The layer input's format is an option (issue #33, ``mhc_core.host.calls.layer_input``):
 ``layer_input_format="bf16"`` (the default) returns ``(residual_out, post_out, comb_out,
 layer_input)``; an FP8 format (``"fp32-g128"``, ``"ue8m0-g128-packed"``, ``"mx-g32"``: ``mhc_core.fp8``)
 returns ``(residual_out, post_out, comb_out, q, scales)``, and with ``layer_input_bf16=True``
@@ -41,15 +41,15 @@ from typing import Any, cast
 import torch
 
 from mhc_core.device.configs import TRIGGER_AFTER_WAIT
-from mhc_core.host.calls import IN_PLACE_LAYER_INPUT, M, Rule, TensorRule, tensor
-from mhc_core.host.compiler import CompiledKernel, KernelSpec
-from mhc_core.host.layer_input import LayerInput, preset_changes
-from mhc_core.host.moe import MoEOutput
+from mhc_core.host.binaries.compiler import CompiledKernel, KernelSpec
+from mhc_core.host.calls.layer_input import LayerInput, preset_changes
+from mhc_core.host.calls.moe import MoEOutput
+from mhc_core.host.calls.programs import DIM_M, Fixed, Launch, Pointer, Source, pointers
+from mhc_core.host.calls.rules import IN_PLACE_LAYER_INPUT, M, Rule, TensorRule, tensor
+from mhc_core.host.calls.streams import SideWork
+from mhc_core.host.calls.validation import INT32_MAX, check_int
 from mhc_core.host.op import MAX_NUM_TOKENS, LamportOp
-from mhc_core.host.programs import DIM_M, Fixed, Launch, Pointer, Source, pointers
-from mhc_core.host.startup import collective
-from mhc_core.host.streams import SideWork
-from mhc_core.host.validation import INT32_MAX, check_int
+from mhc_core.host.ranks.startup import collective
 from mhc_core.presets import MAX_TOP_K, warn_if_untuned
 from mhc_core.protocols import ONE_SHOT, TWO_SHOT
 
@@ -67,7 +67,7 @@ from .config import (
 #: ``(residual_out, post_out, comb_out, layer_input)``; with an FP8 layer input ``(residual_out,
 #: post_out, comb_out, q, scales)`` or ``(..., q, scales, layer_input)`` (module docstring).
 Outputs = tuple[torch.Tensor, ...]
-#: The outputs before the layer input's (``mhc_core.host.layer_input.LayerInput.output_rules`` from
+#: The outputs before the layer input's (``mhc_core.host.calls.layer_input.LayerInput.output_rules`` from
 #: ``out[3]`` on).
 OUTPUT_NAMES = ("out[0] (residual_out)", "out[1] (post_out)", "out[2] (comb_out)")
 OUTPUT_DTYPES = (torch.bfloat16, torch.float32, torch.float32)
@@ -128,7 +128,7 @@ class AllReduceMhcBoundary(LamportOp):
     #: The op's own device buffers (the hand-off rows, the raw mixes, the boundaries' arrival counter):
     #: ``close()`` drops them and keeps them for a captured graph's replays (``mhc_core.host.lifetime``).
     model_device_state = ("_mixes_handoff", "_raw_mixes", "_arrivals")
-    #: The mixes kernel's side stream and what it holds until joined (``mhc_core.host.streams.SideWork``).
+    #: The mixes kernel's side stream and what it holds until joined (``mhc_core.host.calls.streams.SideWork``).
     _side_work: SideWork
 
     @collective
@@ -284,7 +284,7 @@ class AllReduceMhcBoundary(LamportOp):
         """Make the current stream wait for the last mixes kernel (post_out / comb_out complete).
         Inside a CUDA-graph capture, call it before the capture ends. Holds the op's lock, like a
         call; it also works on an op that poisoned itself (its side work may still run)."""
-        with self._lock:  # `with`: see ``mhc_core.host.eager._call``
+        with self._lock:  # `with`: see ``mhc_core.host.calls.eager._call``
             if self._side_work is None:  # closed: close() synchronised the device already
                 return
             # Even when this op's side work was joined: from another stream than the call's, it

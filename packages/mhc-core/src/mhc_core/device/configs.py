@@ -2,7 +2,7 @@
 kernel's key from and checks before anything compiles, and what the kernel modules compile.
 
 ``PublishConfig`` (the publish kernels, ``mhc_core.device.publish``), ``CollectiveConfig`` (the plain
-collective, ``mhc_core.device.collective``), the publish's destination kinds and PDL triggers, and
+collective, ``mhc_core.device.one_shot.collective``), the publish's destination kinds and PDL triggers, and
 the kernel classes' paths (``module:Class``) that ``mhc_core.device.kernel.KernelSpec`` names.
 """
 
@@ -27,8 +27,8 @@ WEIGHT_DTYPES = ("float32", "bfloat16")
 
 PUBLISH_KERNEL = "mhc_core.device.publish:PublishKernel"
 FINALIZE_PUBLISH_KERNEL = "mhc_core.device.publish:FinalizePublishKernel"
-COLLECTIVE_KERNEL = "mhc_core.device.collective:CollectiveKernel"
-REDUCE_KERNEL = "mhc_core.device.two_shot:ReduceKernel"
+COLLECTIVE_KERNEL = "mhc_core.device.one_shot.collective:CollectiveKernel"
+REDUCE_KERNEL = "mhc_core.device.two_shot.reduce:ReduceKernel"
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +121,7 @@ class CollectiveConfig:
 
 @dataclass(frozen=True, slots=True)
 class ReduceConfig:
-    """Compile-time constants of the two-shot reduce (``mhc_core.device.two_shot.ReduceKernel``): the
+    """Compile-time constants of the two-shot reduce (``mhc_core.device.two_shot.reduce.ReduceKernel``): the
     full row's ``hidden``, of which this rank reduces ``hidden / tp`` columns; ``lanes`` threads per
     fragment share the ranks, as in the one-shot collective (the same FP32 tree for the same lanes)."""
 

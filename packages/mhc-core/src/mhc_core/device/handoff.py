@@ -65,7 +65,7 @@ def wait_row(
     as ``ERROR_HANDOFF_TIMEOUT`` for ``index``, and in the error word of the op's stage state at
     ``state``, which poisons every later kernel of the op). The producer always writes its row, also when it
     is poisoned or timed out itself (NaN values), so the bound is a backstop: the op gives
-    it the producer's own bound and more (``mhc_core.host.spin.SpinGuard.handoff_limit_ns``)."""
+    it the producer's own bound and more (``mhc_core.host.calls.spin.SpinGuard.handoff_limit_ns``)."""
     groups = width // WORD_VALUES
     kept = cute.make_rmem_tensor(cute.make_layout((groups, WORD_VALUES), stride=(WORD_VALUES, 1)), Uint32)
     waiting = Boolean(True)

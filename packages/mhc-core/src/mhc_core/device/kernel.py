@@ -1,6 +1,6 @@
 """The base of every kernel class: a frozen config of compile-time constants, a signature, a name.
 
-``mhc_core.host.compiler.compile_kernel`` compiles any of them (for any arch, without a GPU), or
+``mhc_core.host.binaries.compiler.compile_kernel`` compiles any of them (for any arch, without a GPU), or
 loads it shipped; ``KernelSpec`` names one without importing it (a preset module's pure data).
 """
 

@@ -2,7 +2,7 @@
 
 Every kernel class lists its ``@cute.jit __call__`` parameters as a tuple of
 ``Param``s. The compiler builds the fakes from it (no positional fake lists at
-compile sites), the host binds every parameter's source (``mhc_core.host.programs``), and the
+compile sites), the host binds every parameter's source (``mhc_core.host.calls.programs``), and the
 exported kernels' manifests carry it (``to_json`` / ``from_json``), so a shipped kernel is bound
 without its kernel class. Plain Python: the DSL is imported only to build fakes (a dtype is the
 DSL's type where a kernel module names it, its name where a manifest does):

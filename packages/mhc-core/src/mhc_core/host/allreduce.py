@@ -18,17 +18,17 @@ import torch
 
 from ..device.configs import COLLECTIVE_KERNEL, TRIGGER_AFTER_STORES, CollectiveConfig
 from ..protocols import ONE_SHOT
-from .allocation import requested_allocation
-from .calls import IN_PLACE_LAYER_INPUT, M, Rule, TensorRule, tensor
-from .compiler import KernelSpec
+from .binaries.compiler import KernelSpec
+from .calls.moe import MoEOutput
+from .calls.programs import Launch, Pointer, Source
+from .calls.rules import IN_PLACE_LAYER_INPUT, M, Rule, TensorRule, tensor
+from .calls.spin import TokenCountError, resolve_timeout_ms
+from .calls.validation import check_int
 from .lifetime import _CAPTURED
-from .mailbox import requested_transport
-from .moe import MoEOutput
 from .op import MAX_NUM_TOKENS, LamportOp
-from .programs import Launch, Pointer, Source
-from .spin import TokenCountError, resolve_timeout_ms
-from .startup import collective
-from .validation import check_int
+from .ranks.allocation import requested_allocation
+from .ranks.mailbox import requested_transport
+from .ranks.startup import collective
 
 
 class LamportAllReduce(LamportOp):
@@ -179,7 +179,7 @@ def lamport_all_reduce(
     Threads: the cache is guarded; a replacement waits for the calls using the old op to return
     before closing it, and one group's replacement never holds up another group's calls.
     """
-    from .groups import LoopbackRank
+    from .ranks.groups import LoopbackRank
 
     if isinstance(group, LoopbackRank):
         raise TypeError(
@@ -309,7 +309,7 @@ def _signal_growth(old: _Cached, m: int) -> None:
 def _agree_on_growth(old: _Cached, capacity: int) -> None:
     """Every rank that grows asks for the same size (before the old op is closed), else
     ``TokenCountError`` on every rank naming the ranks and their sizes."""
-    from .startup import Ballot, describe_values
+    from .ranks.startup import Ballot, describe_values
 
     if old.op.tp == 1:
         return

@@ -4,7 +4,7 @@ A fused op has three call forms: a plain ``[M, hidden]`` input ``x``, an unfinal
 (``MOE_INPUTS``) and the collect after a ``publish``. Each form is two custom ops: the BF16 one,
 returning ``(residual_out, layer_input)``, and the FP8 one (``<name>_fp8``), which also takes the
 op's ``layer_input_format`` and ``layer_input_bf16`` and returns ``(residual_out, q, scales,
-layer_input)`` (``mhc_core.host.layer_input.LayerInput.op_outputs``). ``boundary_ops`` defines the
+layer_input)`` (``mhc_core.host.calls.layer_input.LayerInput.op_outputs``). ``boundary_ops`` defines the
 six from the model's parameter names (the collective's, after the input: the first is the residual
 streams ``[M, hc, hidden]``): each schema (state mutated, then the handle, the inputs, the
 parameters), the implementation (the op's own call under its lock, ``mhc_core.host.library.run``)
@@ -26,8 +26,8 @@ import torch
 from torch import Tensor
 
 from . import library
-from .layer_input import LayerInput
-from .moe import MoEOutput
+from .calls.layer_input import LayerInput
+from .calls.moe import MoEOutput
 
 #: The MoE input's parameters, as ``mhc::all_reduce_moe`` and ``mhc::publish_moe`` name them.
 MOE_INPUTS = ("gemm2_permuted", "expert_weights", "index", "shared_output")
@@ -149,7 +149,7 @@ class BoundaryOps:
             if self.returned is None:
                 return op(x, *params)  # type: ignore[no-any-return]
             # The call and its hand-over under the op's lock, as the custom op. `with`: an interrupt as
-            # acquire() returns would otherwise leave the lock held (``mhc_core.host.eager._call``).
+            # acquire() returns would otherwise leave the lock held (``mhc_core.host.calls.eager._call``).
             with op._lock:
                 return self.returned(op.handle, op(x, *params))
         layer_input = getattr(op, "layer_input", _BF16)

@@ -34,7 +34,7 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import Tensor
 
-from .moe import MoEOutput
+from .calls.moe import MoEOutput
 
 _HANDLES = itertools.count(1)
 _OPS: dict[int, weakref.ref] = {}

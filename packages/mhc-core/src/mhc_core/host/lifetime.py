@@ -15,8 +15,8 @@ import torch
 
 from ..constants import ERROR_CLOSED, ERROR_COPY, ERROR_WORD
 from . import library
-from .mailbox import LamportMailbox
-from .streams import captures_in_progress
+from .calls.streams import captures_in_progress
+from .ranks.mailbox import LamportMailbox
 
 #: Ops a CUDA graph captured, by id, kept alive until ``close()``: a graph may replay them any time.
 _CAPTURED: dict[int, Any] = {}
@@ -107,7 +107,7 @@ class Lifetime:
 
     #: The core's attributes holding device memory (or programs bound to it, or streams recorded on
     #: it) that ``close()`` drops; a model's op lists its own in ``model_device_state``
-    #: (``mhc_core.host.contract.ModelOp``).
+    #: (``mhc_core.host.calls.contract.ModelOp``).
     _device_state: tuple[str, ...] = (
         "mailbox", "_programs", "_publish_kernel", "_finalize_kernels", "_order", "_side_work",
     )  # fmt: skip

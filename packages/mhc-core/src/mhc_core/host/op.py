@@ -3,14 +3,14 @@ the per-call programs, warm-up and the two-phase ``publish`` / ``collect`` form.
 
 Construction (collective over the group): validate every argument (no CUDA call, no
 compile, no allocation before that), compile every kernel the op will launch, allocate the
-mailbox, bind the call forms into native programs (``mhc_core.host.programs``), warm up.
+mailbox, bind the call forms into native programs (``mhc_core.host.calls.programs``), warm up.
 ``super().__init__`` validates the common arguments; a subclass validates its own, then calls
 ``_build_publishes()`` (the arch, the spin guard, the publish kernels), compiles its collective
 kernels and calls ``_setup()``.
 
-A call is one native program call (``mhc_core.host.native``): it checks every argument,
+A call is one native program call (``mhc_core.host.binaries.native``): it checks every argument,
 allocates the outputs and launches, in C++; bad input raises before any launch, with the message
-``mhc_core.host.calls.check_call`` gives. A subclass declares its call once: the collective's
+``mhc_core.host.calls.rules.check_call`` gives. A subclass declares its call once: the collective's
 rules (``_collect_rules``), its outputs (``_output_rules``) and its launches (``_collect_launches``).
 
 PDL: a collective may load its inputs before ``griddepcontrol.wait`` only when the
@@ -20,7 +20,7 @@ Otherwise the collective waits before its first load, which orders it behind
 the previous kernel exactly as a launch without PDL would (one binary serves both).
 
 Streams: a call runs on the current stream; a call on another stream than the op's
-previous one waits for it first (``mhc_core.host.streams.CallOrder``), so calls of one op
+previous one waits for it first (``mhc_core.host.calls.streams.CallOrder``), so calls of one op
 never overlap. For concurrent micro-batches build one op per stream: instances of one
 configuration share their compiled kernels (the compile cache), only the mailbox is new.
 
@@ -75,23 +75,24 @@ from ..device.configs import (
 )
 from ..presets import MAX_TOP_K
 from ..protocols import ONE_SHOT, TWO_SHOT, ProtocolChoice, choose_protocol
-from . import artifacts, library
-from .allocation import choose_allocation, device_identity, requested_allocation
-from .call_forms import CallForms, Programs
-from .compiler import LOG, CompiledKernel, KernelSpec, compile_kernel, device_arch
-from .contract import ModelOp, OpPreset
-from .eager import EagerCalls
-from .groups import SUPPORTED_TP, normalize_device, resolve_group
+from . import library
+from .binaries import artifacts
+from .binaries.compiler import LOG, CompiledKernel, KernelSpec, compile_kernel, device_arch
+from .calls.call_forms import CallForms, Programs
+from .calls.contract import ModelOp, OpPreset
+from .calls.eager import EagerCalls
+from .calls.moe import MOE_FIELDS
+from .calls.spin import SpinGuard, resolve_timeout_ms
+from .calls.streams import CallOrder
+from .calls.two_phase import Plan, TwoPhaseCalls
+from .calls.validation import check_int
+from .calls.warmup import WarmUp
 from .lifetime import _CAPTURED, _RETIRED, Lifetime, OpPoisonedError
-from .mailbox import LamportMailbox, MailboxLayout, resolve_transport
-from .moe import MOE_FIELDS
-from .spin import SpinGuard, resolve_timeout_ms
-from .startup import Startup, package_versions
-from .startup import active as active_startup
-from .streams import CallOrder
-from .two_phase import Plan, TwoPhaseCalls
-from .validation import check_int
-from .warmup import WarmUp
+from .ranks.allocation import choose_allocation, device_identity, requested_allocation
+from .ranks.groups import SUPPORTED_TP, normalize_device, resolve_group
+from .ranks.mailbox import LamportMailbox, MailboxLayout, resolve_transport
+from .ranks.startup import Startup, package_versions
+from .ranks.startup import active as active_startup
 
 __all__ = [
     "MAX_HIDDEN",
@@ -161,7 +162,7 @@ class LamportOp(CallForms, EagerCalls, TwoPhaseCalls, WarmUp, Lifetime, ModelOp)
         if publish_threads % 32:
             raise ValueError(f"publish_threads: expected a multiple of 32, got {publish_threads}")
         self.device = normalize_device(device)
-        # The startup votes of this construction (``mhc_core.host.startup``): the constructors that
+        # The startup votes of this construction (``mhc_core.host.ranks.startup``): the constructors that
         # ``collective`` wraps share one; any other subclass gets its own here.
         self._startup = active_startup() or Startup(resolve_group(group))
         self.group = self._startup.group
@@ -273,7 +274,7 @@ class LamportOp(CallForms, EagerCalls, TwoPhaseCalls, WarmUp, Lifetime, ModelOp)
     # ------------------------------------------------------------ construction
     def _compile(self, spec: KernelSpec) -> CompiledKernel:
         """Load the kernel (shipped or cached: no DSL import), else compile it and persist it into the
-        on-disk cache (``mhc_core.host.artifacts``) for the next process."""
+        on-disk cache (``mhc_core.host.binaries.artifacts``) for the next process."""
         self._kernel_specs.append(spec)
         with torch.cuda.device(self.device):
             return compile_kernel(spec, self.arch, persist=True)
@@ -369,9 +370,10 @@ class LamportOp(CallForms, EagerCalls, TwoPhaseCalls, WarmUp, Lifetime, ModelOp)
         }
 
     def _kernels_fingerprint(self) -> dict[str, Any]:
-        """The arch and every kernel's full key (``mhc_core.host.artifacts.kernel_key``): the ``kernels`` vote."""
-        from .artifacts import kernel_key
-        from .compiler import CALLING_CONVENTION
+        """The arch and every kernel's full key (``mhc_core.host.binaries.artifacts.kernel_key``): the
+        ``kernels`` vote."""
+        from .binaries.artifacts import kernel_key
+        from .binaries.compiler import CALLING_CONVENTION
 
         symbols = sorted({kernel_key(spec, self.arch, CALLING_CONVENTION).symbol for spec in self._kernel_specs})
         return {"arch": self.arch, "kernels": symbols}

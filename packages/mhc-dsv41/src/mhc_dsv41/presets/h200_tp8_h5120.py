@@ -159,7 +159,10 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
                 "scatter": True,
             },
         ),
-        "reduce": ("mhc_core.device.two_shot:ReduceKernel", {"hidden": 5120, "tp": 8, "threads": 128, "lanes": 1}),
+        "reduce": (
+            "mhc_core.device.two_shot.reduce:ReduceKernel",
+            {"hidden": 5120, "tp": 8, "threads": 128, "lanes": 1},
+        ),
         "gather": (
             "mhc_dsv41.kernel:LamportMHCKernel",
             {
@@ -196,7 +199,7 @@ KERNELS: dict[str, dict[str, tuple[str, dict[str, Any]]]] = {
 
 def kernels(arch: str, names: Iterable[str] | None = None) -> dict[str, DeviceKernel]:
     """This preset's kernel objects for ``arch`` (all, or those in ``names``), not yet compiled."""
-    from mhc_core.host.compiler import kernel_from_spec
+    from mhc_core.host.binaries.compiler import kernel_from_spec
 
     if arch not in KERNELS:
         raise ValueError(f"preset {NAME!r} targets {', '.join(KERNELS)}; got arch {arch!r}")
@@ -216,7 +219,7 @@ def build(
 ) -> AllReduceMHC:
     """``AllReduceMHC.from_config(PRESET, ...)``: collective over ``group`` (of size ``PRESET.tp``). A CUDA
     ``device`` on a CPU-only torch raises first, however it is spelled."""
-    from mhc_core.host.support import require_cuda_build
+    from mhc_core.host.binaries.support import require_cuda_build
     from mhc_dsv41.op import AllReduceMHC as op
 
     require_cuda_build(device)

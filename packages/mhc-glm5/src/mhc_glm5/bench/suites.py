@@ -144,7 +144,7 @@ def glm5_breakdown(ctx: Context, ms: list[int], hidden: int = 4096) -> list[Reco
 
 def boundary_alone(op, m: int):
     """The op's boundary kernel for M tokens launched by itself (with the op's buffers), no mixes."""
-    from mhc_core.host.launch import BoundKernel
+    from mhc_core.host.binaries.launch import BoundKernel
 
     kernel = op.boundary_kernel(m)
     fixed = dict(

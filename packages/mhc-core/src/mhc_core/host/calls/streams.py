@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .launch import current_stream_handle
+from ..binaries.launch import current_stream_handle
 
 #: Whether the current stream captures: torch's C accessor (what is_current_stream_capturing calls).
 _is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
@@ -83,7 +83,7 @@ class CallOrder:
 
     The eager fast path costs two host queries: a call on the stream of the op's previous eager
     call, not capturing, orders nothing. The native program records ``done_handle`` at the end of
-    every eager call (``mhc_core.host.programs.RECORD_DONE``); a call on another stream waits for it.
+    every eager call (``mhc_core.host.calls.programs.RECORD_DONE``); a call on another stream waits for it.
     """
 
     def __init__(self, device: torch.device) -> None:

@@ -1,6 +1,6 @@
 // The per-call host path of every fused op: validate and launch, in C++ behind TVM-FFI.
 //
-// An op builds one `Program` per call form at construction (`mhc_core.host.programs` describes
+// An op builds one `Program` per call form at construction (`mhc_core.host.calls.programs` describes
 // it in Python and passes it here once): the per-call parameters and their rules, the outputs,
 // and the kernels to launch with each argument's source. A call is then one TVM-FFI call with
 // torch tensors, which TVM-FFI hands over as DLTensors (C-level DLPack exchange), with torch's
@@ -18,7 +18,7 @@
 //      rule gives (the FP8 scale layouts' padding rows lie past the view). Nothing is launched
 //      before all pass. A failing call raises a
 //      ValueError whose message starts "mhc-invalid"; the Python side then runs the same rules
-//      with the project's messages (`mhc_core.host.calls.check_call`), so the rules live in one
+//      with the project's messages (`mhc_core.host.calls.rules.check_call`), so the rules live in one
 //      declaration and the messages in one place;
 //   2. the launches run in order on the current stream or the op's side stream. The side stream
 //      forks off the current one (one reused event) right before the launch marked forks_side,
@@ -401,7 +401,7 @@ std::vector<int64_t> to_ints(const ffi::Array<int64_t>& values) {
   return std::vector<int64_t>(values.begin(), values.end());
 }
 
-// [base, to, times] per dimension, flat (`mhc_core.host.programs._shape`).
+// [base, to, times] per dimension, flat (`mhc_core.host.calls.programs._shape`).
 std::vector<Dim> to_shape(const ffi::Array<int64_t>& numbers) {
   if (numbers.size() % 3) TVM_FFI_THROW(ValueError) << "mhc: a shape takes three numbers per dimension";
   std::vector<Dim> dims;
@@ -501,7 +501,7 @@ ffi::Function make_program(ffi::Array<ffi::Array<ffi::Any>> rules, ffi::Array<ff
 #define MHC_SOURCE_DIGEST "unknown"
 #endif
 
-// The digest of the source and flags this library was built from (`mhc_core.host.native.digest`).
+// The digest of the source and flags this library was built from (`mhc_core.host.binaries.native.digest`).
 ffi::String source_digest() { return MHC_SOURCE_DIGEST; }
 
 }  // namespace mhc

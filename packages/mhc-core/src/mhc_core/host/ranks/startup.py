@@ -14,7 +14,7 @@ of a ``Ballot`` per stage), each before the step it guards:
 2. ``kernels``, once every kernel is loaded or compiled and the mailbox is known to fit, before
    any allocation: the arch and every kernel's full key (facts beside it: each rank's GPU, which
    picks the allocation);
-3. the allocation's own exchanges (``mhc_core.host.allocation``), then ``mapped``, once every peer's
+3. the allocation's own exchanges (``mhc_core.host.ranks.allocation``), then ``mapped``, once every peer's
    mailbox is mapped and the call programs are bound, before the warm-up;
 4. ``ready``, after the warm-up: every rank's kernels launched once and no spin timed out. A rank
    whose warm-up failed casts its error in this vote; a process group's warm-up has a short spin
@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .compiler import LOG
+from ..binaries.compiler import LOG
 
 STAGES = ("config", "kernels", "mapped", "ready")
 
@@ -193,7 +193,7 @@ def package_versions(module: str) -> dict[str, str]:
 
     import torch
 
-    from ..version import __version__
+    from ...version import __version__
 
     versions = {"torch": str(torch.__version__), "mhc_core": __version__}
     package = module.partition(".")[0]

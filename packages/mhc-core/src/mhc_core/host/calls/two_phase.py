@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..protocols import TWO_SHOT
+from ...protocols import TWO_SHOT
 from .moe import MOE_FIELDS, MoEOutput
 from .programs import AFTER_PUBLISH_FLAG
 

@@ -46,7 +46,7 @@ import threading
 
 import torch
 
-from ..constants import (
+from ...constants import (
     ERROR_CLOSED,
     ERROR_CODE,
     ERROR_HANDOFF_TIMEOUT,

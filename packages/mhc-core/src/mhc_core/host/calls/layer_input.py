@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
-from .. import fp8_formats as fp8
-from ..fp8_formats import BF16, LAYER_INPUT_FORMATS, require_layer_input
-from ..presets import argument_preset
-from .calls import IN_PLACE_LAYER_INPUT, Aligned, M, TensorRule, tensor
+from ... import fp8_formats as fp8
+from ...fp8_formats import BF16, LAYER_INPUT_FORMATS, require_layer_input
+from ...presets import argument_preset
 from .programs import Pointer
+from .rules import IN_PLACE_LAYER_INPUT, Aligned, M, TensorRule, tensor
 
 #: Every value the option takes (``BF16``, then the FP8 formats).
 FORMATS = LAYER_INPUT_FORMATS

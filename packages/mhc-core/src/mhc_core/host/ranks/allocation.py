@@ -4,7 +4,7 @@
   buffer and, where the driver and the group allow it, an NVLink multicast mapping (what
   ``transport="multicast"`` needs). It refuses two ranks on one GPU.
 * ``"ipc"``: a plain ``cudaMalloc`` per rank, its CUDA IPC handle exchanged over the process group
-  and mapped by every peer (``mhc_core.host.cuda_ipc``; the approach of vLLM's custom all-reduce).
+  and mapped by every peer (``mhc_core.host.ranks.cuda_ipc``; the approach of vLLM's custom all-reduce).
   It serves ranks that are processes on one GPU (the project's one-GPU multi-process suite) and
   engines where symmetric memory is unavailable or misbehaves. Any backend's group works (gloo
   too: NCCL refuses two ranks on one GPU). No multicast.
@@ -14,7 +14,7 @@ one. ``"auto"`` takes ``"ipc"`` when two ranks of the group share a GPU (the ran
 in the startup's ``kernels`` vote, so every rank decides alike) and ``"symmetric"`` otherwise.
 Ranks, loopback ranks and tp = 1 ops have no process group: their mailbox is a local buffer.
 
-Both allocations take part in the startup's votes (``mhc_core.host.startup``): a rank whose local
+Both allocations take part in the startup's votes (``mhc_core.host.ranks.startup``): a rank whose local
 allocation fails says so before any peer enters a rendezvous or maps anything.
 
 Adding a third: NVLink fabric handles for multi-node NVLink (GB200 / GB300 NVL72, where tp 16 lives).
@@ -36,7 +36,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..constants import NEGATIVE_ZERO_BF16
+from ...constants import NEGATIVE_ZERO_BF16
 
 ALLOCATION_ENV = "MHC_MAILBOX_ALLOCATION"
 ALLOCATIONS = ("auto", "symmetric", "ipc")

@@ -1,6 +1,6 @@
-"""An op's call forms, each bound into the native executor (``mhc_core.host.programs``): the plain
+"""An op's call forms, each bound into the native executor (``mhc_core.host.calls.programs``): the plain
 call, the MoE call per routing-weight dtype, the two phases. The publish launches are the core's; the
-collective's rules, outputs and launches are the model's (``mhc_core.host.contract.ModelOp``).
+collective's rules, outputs and launches are the model's (``mhc_core.host.calls.contract.ModelOp``).
 
 Protocols (``mhc_core.protocols``): an op with a two-shot holds both protocols' launches in every
 call form, each tagged with its protocol; the native program picks by M. The routes are the union of
@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from ..constants import STAGE_STATE_WORDS
-from ..protocols import ONE_SHOT, TWO_SHOT
-from .calls import ROWS, M, Rule, TensorRule, tensor
+from ...constants import STAGE_STATE_WORDS
+from ...protocols import ONE_SHOT, TWO_SHOT
 from .programs import AFTER_PUBLISH, DIM_M, DIM_ROWS, Fixed, Launch, Pointer, Program, Source
+from .rules import ROWS, M, Rule, TensorRule, tensor
 from .streams import SideWork
 
 #: A launch and the protocol it belongs to (None: both).

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..presets import FP32_MAX, FP32_MIN_NORMAL
+from ...presets import FP32_MAX, FP32_MIN_NORMAL
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.int32: "int32", torch.int64: "int64"}
 

@@ -1,5 +1,5 @@
 """The per-call parameters of a fused op, declared once: checked in C++ on every call (the native
-executor, ``mhc_core.host.native``), and here, in Python, for the message when a call fails.
+executor, ``mhc_core.host.binaries.native``), and here, in Python, for the message when a call fails.
 
 A parameter is a ``TensorRule`` (accepted dtypes and shapes; a shape names the token count ``M``
 and the MoE expert output's ``ROWS`` where they vary, ``Aligned`` where it follows one padded to a
@@ -14,7 +14,7 @@ writes from its first one when they run past the view (the scale layouts' paddin
 overlap checks span, and what the caller's ``out=`` tensor's storage must hold (``check_storage``).
 
 ``check_call`` runs the rules in order and raises the first failure with the argument's name,
-what was expected and what came (``mhc_core.host.validation``'s messages).
+what was expected and what came (``mhc_core.host.calls.validation``'s messages).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ logs the reason when the answer is no, and takes NCCL's all-reduce and the unfus
 ``check_fused_support(group, device, multicast=...)`` checks, for every rank of ``group``:
 
 * the device: a CUDA build of torch, a visible GPU, an arch the kernels target
-  (``mhc_core.host.support``);
+  (``mhc_core.host.binaries.support``);
 * tp: the group's size is one the ops support (``SUPPORTED_TP``);
 * one node: every rank on the same host (the mailbox is mapped through CUDA IPC or symmetric
   memory, neither of which crosses nodes);
@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
+from ..binaries.support import DeviceLike, as_device, device_problem
 from .groups import SUPPORTED_TP, LoopbackGroup, LoopbackRank
-from .support import DeviceLike, as_device, device_problem
 
 
 @dataclass(frozen=True)

@@ -30,11 +30,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32, Int64
 
-from ..constants import STAGE_STATE_WORDS, VEC_BF16
-from . import protocol, ptx
-from .configs import ReduceConfig
-from .kernel import DeviceKernel
-from .signature import Buffer, Param, Scalar, Signature, Stream
+from ...constants import STAGE_STATE_WORDS, VEC_BF16
+from .. import protocol, ptx
+from ..configs import ReduceConfig
+from ..kernel import DeviceKernel
+from ..signature import Buffer, Param, Scalar, Signature, Stream
 
 
 class ReduceKernel(DeviceKernel):

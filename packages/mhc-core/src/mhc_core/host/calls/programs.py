@@ -1,5 +1,5 @@
 """Native programs: one call form of an op (its rules, outputs and launches), bound once into the
-C++ executor (``mhc_core.host.native``), then called with the per-call values alone.
+C++ executor (``mhc_core.host.binaries.native``), then called with the per-call values alone.
 
 A ``Launch`` names, for every parameter of a kernel's signature, where its value comes from:
 ``Fixed(value)`` (bound at construction: a persistent buffer, an address, a constant),
@@ -13,7 +13,7 @@ count (``min_tokens``), as GLM's boundary picks its tokens-per-cluster kernel.
 publish's M or -1, ``variant`` a forced kernel or -1, the events raw handles or 0, ``outputs``
 allocated by the op (torch tensors; ``None`` each for a check-only call, ``CHECK_ONLY``). It returns
 M. A call it rejects raises ``ValueError("mhc-invalid ...")`` before any launch; the op then raises
-the precise error (``mhc_core.host.calls.check_call``).
+the precise error (``mhc_core.host.calls.rules.check_call``).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from typing import Any
 import torch
 import tvm_ffi
 
-from ..device.signature import Buffer, Ptr, Signature, Stream
-from . import native
-from .calls import ROWS, Aligned, Dim, M, Rule, ScalarRule, TensorRule
+from ...device.signature import Buffer, Ptr, Signature, Stream
+from ..binaries import native
+from .rules import ROWS, Aligned, Dim, M, Rule, ScalarRule, TensorRule
 
 #: ``flags`` bits (``executor.cc``).
 CHECK_ONLY = 1
@@ -99,7 +99,7 @@ class Launch:
     side: bool = False
     forks_side: bool = False
     #: Per variant: whether it launches at all (empty: every one does). A launch of one protocol is
-    #: skipped for the token counts the other protocol serves (``mhc_core.host.call_forms``).
+    #: skipped for the token counts the other protocol serves (``mhc_core.host.calls.call_forms``).
     enabled: Sequence[bool] = ()
 
 

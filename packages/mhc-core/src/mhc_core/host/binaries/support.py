@@ -6,7 +6,7 @@ Three things stop the ops on a device, checked in this order and named by what t
 built without CUDA (a CPU-only wheel), no CUDA GPU visible to the process (no driver, none
 installed, ``CUDA_VISIBLE_DEVICES`` empty, or an index past the last one), and a GPU of an arch the
 kernels do not target. For a whole TP group (peer access, one node, tp, multicast) see
-``mhc_core.host.fallback``.
+``mhc_core.host.ranks.fallback``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from ..constants import ARCH_BY_CAPABILITY, SUPPORTED_ARCHS
+from ...constants import ARCH_BY_CAPABILITY, SUPPORTED_ARCHS
 
 #: What ``torch.device(...)`` accepts for a device.
 DeviceLike = torch.device | str | int

@@ -69,11 +69,11 @@ class RankGroup:
 
     def allocate_mailbox(self, elements: int, device: torch.device, startup: Any, allocation: str) -> MailboxMemory:
         """``elements`` BF16 of sentinel-filled mailbox memory on every rank (collective; ``allocation``
-        picks how for a process group, ``mhc_core.host.allocation``)."""
+        picks how for a process group, ``mhc_core.host.ranks.allocation``)."""
         raise NotImplementedError
 
     def exchange_ballots(self, ballot: Any, device: Any = None) -> list[Any]:
-        """Every rank's ballot of one startup vote (``mhc_core.host.startup``); here only this rank's."""
+        """Every rank's ballot of one startup vote (``mhc_core.host.ranks.startup``); here only this rank's."""
         return [ballot]
 
     def complete_construction(self, op: GroupMember) -> None:
@@ -99,7 +99,7 @@ class SoloGroup(RankGroup):
 
 
 class ProcessGroupRanks(RankGroup):
-    """A real process group (any backend): mailboxes from ``mhc_core.host.allocation`` (torch symmetric
+    """A real process group (any backend): mailboxes from ``mhc_core.host.ranks.allocation`` (torch symmetric
     memory or CUDA IPC), startup votes and barriers through the group."""
 
     kind = "process_group"
@@ -317,8 +317,8 @@ def lock_order(op: Any) -> int:
 def normalize_device(device: torch.device | str | int) -> torch.device:
     """A CUDA device with an explicit index (``"cuda"`` means the current one). Resolving the current
     device is the first CUDA query: where it cannot be made (a CPU-only torch, no visible GPU) a
-    RuntimeError says which (``mhc_core.host.support``) instead of torch's AssertionError."""
-    from .support import as_device, require_device
+    RuntimeError says which (``mhc_core.host.binaries.support``) instead of torch's AssertionError."""
+    from ..binaries.support import as_device, require_device
 
     device = as_device(device)
     if device.type != "cuda":

@@ -8,7 +8,7 @@ opened without following a symbolic link. The folders above the root must not le
 swap the cache for another: none may be owned by another user (root aside) or writable by others
 without the sticky bit (``/tmp`` is fine); missing ones are created 0700, whatever the umask. A
 library's size and sha256 are recorded beside it when it is written and compared, on the very
-descriptor that is loaded (``mhc_core.host.verified``), before ``dlopen`` maps it (a truncated
+descriptor that is loaded (``mhc_core.host.binaries.verified``), before ``dlopen`` maps it (a truncated
 library mapped by ``dlopen`` is a SIGBUS, not an exception). Files are written under a unique
 temporary name and renamed into place, so a reader sees a whole file or none, and a lock file per
 entry (``flock``) lets concurrent processes build it once: the others wait, then load it. The

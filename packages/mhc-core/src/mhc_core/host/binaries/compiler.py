@@ -12,7 +12,7 @@ then costs a few microseconds of host time against 12-19 for the DSL's default p
 
 An op names its kernels by ``KernelSpec`` (the class's ``module:Class`` path and its config,
 plain data): a kernel whose full key an installed model package ships, or an earlier process
-cached, is loaded without importing its class or the DSL (``mhc_core.host.artifacts``); only
+cached, is loaded without importing its class or the DSL (``mhc_core.host.binaries.artifacts``); only
 another one imports its class and compiles (the DSL compiler, ``mhc-core[jit]``).
 """
 
@@ -29,13 +29,13 @@ from typing import Any
 
 import torch
 
-from ..constants import ARCH_BY_CAPABILITY, SUPPORTED_ARCHS
-from ..device.kernel import DeviceKernel, KernelSpec
+from ...constants import ARCH_BY_CAPABILITY, SUPPORTED_ARCHS
+from ...device.kernel import DeviceKernel, KernelSpec
 
 __all__ = ["CompileReport", "CompiledKernel", "KernelSpec", "compile_kernel", "device_arch", "kernel_from_spec"]
-from ..device.signature import Signature
+from ...device.signature import Signature
 
-#: Part of every compile key: how the host calls the compiled function (``mhc_core.host.launch``).
+#: Part of every compile key: how the host calls the compiled function (``mhc_core.host.binaries.launch``).
 CALLING_CONVENTION = "tvm-ffi"
 COMPILE_OPTIONS = "--enable-tvm-ffi"
 
@@ -45,7 +45,7 @@ LOG = logging.getLogger("mhc")
 
 def device_arch(device: torch.device | int | str | None = None) -> str:
     """The arch string this project compiles for on ``device``. A CPU-only torch, no visible GPU
-    or an unsupported arch raise RuntimeError saying which (``mhc_core.host.support``): an op asks
+    or an unsupported arch raise RuntimeError saying which (``mhc_core.host.binaries.support``): an op asks
     this before it touches the device."""
     from .support import require_device
 
@@ -88,7 +88,7 @@ class CompileReport:
 @dataclass
 class CompiledKernel:
     """A kernel ready to launch: ``function`` is its TVM-FFI entry point (positional arguments only,
-    as ``mhc_core.host.programs`` binds them; None where it cannot run in this process: compiled for
+    as ``mhc_core.host.calls.programs`` binds them; None where it cannot run in this process: compiled for
     another arch than the DSL's target, a cross-compile), ``signature`` its parameters. ``kernel``
     and ``compiled`` (the DSL's object) exist for a kernel compiled here, not for one loaded."""
 
@@ -146,7 +146,7 @@ def compile_kernel(
 ) -> CompiledKernel:
     """``kernel`` (an instance, or a ``KernelSpec``) ready to launch on ``arch``: loaded from an
     installed model package's exported kernels or the on-disk cache when its full key is there
-    (``mhc_core.host.artifacts``; ``prebuilt=False`` or ``MHC_PREBUILT=0`` always compiles), else
+    (``mhc_core.host.binaries.artifacts``; ``prebuilt=False`` or ``MHC_PREBUILT=0`` always compiles), else
     compiled (cached per process). ``persist=True`` (what the ops pass) exports a kernel compiled
     here into the on-disk cache for the next process, holding the kernel's lock there: the ranks
     of a host that miss it compile it once, the others wait, then load it.
@@ -209,7 +209,7 @@ def _compile(kernel: DeviceKernel | None, spec: KernelSpec, arch: str, inspect: 
     if kernel is None:
         kernel = spec.instantiate()
 
-    from ..device.signature import fake_arguments
+    from ...device.signature import fake_arguments
 
     options = f"--gpu-arch {arch} {COMPILE_OPTIONS}"
     signature = kernel.signature()

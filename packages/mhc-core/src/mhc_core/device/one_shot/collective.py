@@ -11,11 +11,11 @@ from __future__ import annotations
 import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32, Int64
 
-from ..constants import STAGE_STATE_WORDS, VEC_BF16
-from . import protocol, ptx
-from .configs import CollectiveConfig
-from .kernel import DeviceKernel
-from .signature import Buffer, Param, Ptr, Scalar, Signature, Stream
+from ...constants import STAGE_STATE_WORDS, VEC_BF16
+from .. import protocol, ptx
+from ..configs import CollectiveConfig
+from ..kernel import DeviceKernel
+from ..signature import Buffer, Param, Ptr, Scalar, Signature, Stream
 
 
 def mailbox_params() -> Signature:

@@ -1,4 +1,4 @@
-"""Launching a compiled kernel through its TVM-FFI entry point (``mhc_core.host.compiler``):
+"""Launching a compiled kernel through its TVM-FFI entry point (``mhc_core.host.binaries.compiler``):
 persistent arguments converted once, the per-call ones on each launch.
 
 What each parameter kind becomes at run time (``mhc_core.device.signature`` describes them):
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import tvm_ffi
 
-from ..device.signature import Buffer, Kind, Ptr, Signature, Stream
+from ...device.signature import Buffer, Kind, Ptr, Signature, Stream
 
 
 def _raw_stream_getter() -> Callable[[int], int]:

@@ -14,8 +14,8 @@ from typing import Any, Protocol
 
 import torch
 
-from .calls import Rule, TensorRule
 from .programs import Launch, Source
+from .rules import Rule, TensorRule
 
 
 class OpPreset(Protocol):

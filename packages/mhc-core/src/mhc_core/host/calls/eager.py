@@ -1,8 +1,8 @@
 """The eager call path (``__call__`` / ``finalize``): the hot path, one native program call.
 
-A call is one native program call (``mhc_core.host.native``): it checks every argument, allocates
+A call is one native program call (``mhc_core.host.binaries.native``): it checks every argument, allocates
 the outputs and launches, in C++; bad input raises before any launch, with the message
-``mhc_core.host.calls.check_call`` gives (``_explain``). Keep this path flat: its cost is measured
+``mhc_core.host.calls.rules.check_call`` gives (``_explain``). Keep this path flat: its cost is measured
 in host microseconds per call (``benchmarks.host_instructions``).
 """
 
@@ -13,9 +13,9 @@ from typing import Any, NoReturn
 
 import torch
 
-from .calls import Rule, check_call, check_storage
 from .moe import MOE_FIELDS, MoEOutput
 from .programs import AFTER_PUBLISH_FLAG, CHECK_ONLY, FRESH_OUTPUTS, RECORD_DONE, Program
+from .rules import Rule, check_call, check_storage
 
 
 class EagerCalls:

@@ -4,7 +4,7 @@ Memory: ``3 * tp * capacity * hidden * 2`` bytes per rank (three generations of
 every rank's ``[capacity, hidden]`` BF16 contribution) plus a ``3 * tp * 16``-byte
 header (each rank's M per generation, for the unequal-M check), and 16 bytes of
 stage state (NEXT, ACTIVE, the sticky error word). For a real process group it
-lives in torch symmetric memory or a CUDA IPC allocation (``mhc_core.host.allocation``); the repr
+lives in torch symmetric memory or a CUDA IPC allocation (``mhc_core.host.ranks.allocation``); the repr
 shows the size and which.
 
 With the two-shot protocol (``mhc_core.protocols``) the same allocation holds two more regions after
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..constants import HEADER_ENTRY_BYTES, LAMPORT_GENERATIONS, STAGE_STATE_WORDS
+from ...constants import HEADER_ENTRY_BYTES, LAMPORT_GENERATIONS, STAGE_STATE_WORDS
 from .groups import RankGroup
 
 TRANSPORT_ENV = "MHC_TRANSPORT"
@@ -116,7 +116,7 @@ class LamportMailbox:
         self.capacity = capacity
         self.hidden = hidden
         self.transport = transport
-        #: How a process group's mailboxes were allocated (``mhc_core.host.allocation``), else "local".
+        #: How a process group's mailboxes were allocated (``mhc_core.host.ranks.allocation``), else "local".
         self.allocation = allocation
         self.layout = MailboxLayout(group.tp, hidden, capacity, two_shot_capacity)
         memory = group.allocate_mailbox(self.layout.elements, device, startup, allocation)

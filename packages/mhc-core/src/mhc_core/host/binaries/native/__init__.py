@@ -3,7 +3,7 @@
 ``library()`` returns the loaded TVM-FFI module. It looks, in order, for:
 
 1. ``libmhc_host.so`` beside ``executor.cc`` (what a wheel ships and ``python3 -m
-   mhc_core.host.native`` builds in a checkout), if its record beside it (``libmhc_host.json``,
+   mhc_core.host.binaries.native`` builds in a checkout), if its record beside it (``libmhc_host.json``,
    written by that build) names this ``executor.cc``'s digest and the file still has the size and
    sha256 recorded;
 2. ``<cache>/native/libmhc_host-<digest>.so`` (``MHC_CACHE_DIR``, else the user's cache folder),
@@ -15,9 +15,9 @@
 
 The digest is a sha256 of the source and the build flags; the library reports the digest it
 was built from (``source_digest``), so a stale library is never loaded. Every library is loaded
-from the descriptor whose size and sha256 were checked (``mhc_core.host.verified``): ``dlopen``
+from the descriptor whose size and sha256 were checked (``mhc_core.host.binaries.verified``): ``dlopen``
 runs its code, and a truncated one mapped is a SIGBUS. The cache follows
-``mhc_core.host.cache_files``: private folders, files this user alone owns and can write, no
+``mhc_core.host.binaries.cache_files``: private folders, files this user alone owns and can write, no
 symbolic link followed. A cache that fails a check is not used (one warning says why): the library
 is then built into a private temporary folder and loaded from there. The installed library is
 trusted as installed (it is in the install folder) once it matches its record; one that does not,
@@ -178,7 +178,7 @@ def _load_installed() -> Any | None:
         recorded = (entry["source_digest"], entry["size"], entry["sha256"])
     except FileNotFoundError:
         reason = f"no record of its size and sha256 is beside it ({record_path.name}): rebuild it "
-        reason += "(python3 -m mhc_core.host.native)"
+        reason += "(python3 -m mhc_core.host.binaries.native)"
         cache_files.warn_once(_INSTALLED_NAME, PACKAGED, reason)
         return None
     except Exception as error:  # JSON, a missing field, a wrong type
@@ -256,7 +256,7 @@ def _private_build() -> Iterator[tuple[Path, int, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python3 -m mhc_core.host.native [TARGET]``: build the library beside its source (what the
+    """``python3 -m mhc_core.host.binaries.native [TARGET]``: build the library beside its source (what the
     wheel build and a GPU host without a compiler need), or into TARGET, with its record."""
     args = sys.argv[1:] if argv is None else argv
     target = Path(args[0]) if args else PACKAGED

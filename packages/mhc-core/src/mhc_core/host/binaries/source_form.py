@@ -1,5 +1,5 @@
 """The normal form of a Python module's source: what a kernel's key hashes of each module it depends
-on (``mhc_core.host.artifacts``), so that comments, docstrings and formatting keep shipped kernels.
+on (``mhc_core.host.binaries.artifacts``), so that comments, docstrings and formatting keep shipped kernels.
 
 It is the syntax tree without docstrings or positions, written out by ``dump``, not ``ast.dump``:
 ``ast.dump`` changes with the Python release (3.12 writes ``type_params=[]`` on every function and

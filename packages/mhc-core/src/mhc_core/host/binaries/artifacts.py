@@ -14,14 +14,14 @@ A kernel compiled on this host (a configuration no wheel ships) is exported the 
 on-disk cache, one library per key (``<cache>/kernels/<arch>/<symbol>.so``, with a sidecar
 ``<symbol>.json`` holding its key, signature, size and sha256), and the next process loads it. The
 cache is ``MHC_CACHE_DIR``, else ``$XDG_CACHE_HOME/mhc`` or ``~/.cache/mhc``
-(``mhc_core.host.native.cache_root``); exporting needs a C compiler (``cc``) to link: without one
+(``mhc_core.host.binaries.native.cache_root``); exporting needs a C compiler (``cc``) to link: without one
 nothing is persisted.
 
-The cache is one that eight ranks and a shared machine can trust (``mhc_core.host.cache_files``):
+The cache is one that eight ranks and a shared machine can trust (``mhc_core.host.binaries.cache_files``):
 its folders are created 0700 and used only while this user owns them and nobody else can write
 them or swap a folder above them, its files likewise and never through a symbolic link; every file
 is written under a unique temporary name and renamed into place; a library's size and sha256 are
-compared with its sidecar on the descriptor ``dlopen`` then maps (``mhc_core.host.verified``); a
+compared with its sidecar on the descriptor ``dlopen`` then maps (``mhc_core.host.binaries.verified``); a
 lock per kernel (``<symbol>.lock``) lets the ranks that miss a kernel compile it once
 (``compiler.compile_kernel``): the others wait, then load it; a holder stuck longer than
 ``MHC_CACHE_LOCK_TIMEOUT_S`` is named, and the waiter compiles for itself without persisting. A
@@ -67,9 +67,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import registry
-from ..device.kernel import KernelSpec
-from ..device.signature import Signature, from_json, to_json
+from ... import registry
+from ...device.kernel import KernelSpec
+from ...device.signature import Signature, from_json, to_json
 from . import cache_files, verified
 from .source_form import normal_form
 

@@ -1,5 +1,0 @@
-"""``python3 -m mhc_core.host.native [TARGET]``: build the host library (see the package docstring)."""
-
-from . import main
-
-raise SystemExit(main())
