@@ -1,4 +1,4 @@
-"""mhc-core: the Lamport one-shot all-reduce protocol and what the fused mHC ops share.
+"""mhc-core: the Lamport all-reduce protocols (one-shot and two-shot) and what the fused mHC ops share.
 
 Layers: ``mhc_core.device`` (what runs in a kernel: primitives, protocol, reductions, the
 publish kernels, and each protocol's own kernels in ``one_shot/`` and ``two_shot/``) and
