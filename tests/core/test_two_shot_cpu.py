@@ -240,6 +240,34 @@ def test_dsv_moe_and_two_phases_with_a_two_shot() -> None:
     assert kernels.calls[-1][1]["prefetch"] == 0, "a loopback collect follows another rank's kernel"
 
 
+def test_loopback_publish_on_every_rank_then_collect_on_each() -> None:
+    """What a loopback user writes: ``publish()`` on every rank, then ``collect()`` on each. The first
+    two-shot collect runs every rank's reduce; a later rank's collect finds its reduce run and
+    launches its boundary alone (it must not ask for the earlier ranks' publishes, collected by
+    then: that raised on the H100 at 73afb87). A collect before every rank has published raises."""
+    from mhc_core.host.ranks.groups import LoopbackGroup, LoopbackRank
+
+    tp = 2
+    group = object.__new__(LoopbackGroup)
+    group.__dict__.update(world_size=tp, _instances={}, _mailboxes={}, _ballots={})
+    group.ranks = tuple(LoopbackRank(group, rank) for rank in range(tp))
+    built = [dsv_two_shot_op(tp) for _ in range(tp)]
+    for rank, (op, _) in enumerate(built):
+        op.__dict__.update(rank=rank, group=group[rank])
+        group[rank]._instance_of[op] = 0
+        group._instances.setdefault(0, {})[rank] = op
+    for round_ in range(2):
+        for op, kernels in built:
+            kernels.calls.clear()
+            op.publish(torch.randn(5, HIDDEN).to(torch.bfloat16))
+        for op, _ in built:
+            op.collect(*dsv_args(5))
+        assert [kernels.names() for _, kernels in built] == [["scatter", "reduce", "gather"]] * tp, round_
+    built[0][0].publish(torch.randn(5, HIDDEN).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match=r"needs every rank's publish\(\) first; ranks \[1\]"):
+        built[0][0].collect(*dsv_args(5))
+
+
 def test_warm_up_launches_every_kernel_of_both_protocols() -> None:
     """Every kernel launches once at construction, before anything can spin behind it: each route
     (forced) with every publish, each phase over the ranks in turn."""
