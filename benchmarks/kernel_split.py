@@ -38,18 +38,24 @@ def split_us(step, calls: int) -> dict[str, float]:
         for _ in range(calls):
             step()
         torch.cuda.synchronize()
-    kernels = sorted(
-        (event for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA),
-        key=lambda event: event.time_range.start,
-    )
+    kernels = [
+        (event.name, event.time_range.start, event.time_range.end)
+        for event in profile.events()
+        if event.device_type == torch.autograd.DeviceType.CUDA
+    ]
+    return {kind: us / calls for kind, us in charge(kernels).items()}
+
+
+def charge(kernels: list[tuple[str, float, float]]) -> dict[str, float]:
+    """µs per kind of ``(name, start, end)`` kernels: each from the latest end before it (or its own
+    start, if later) to its own end, so overlapping kernels (PDL) count their overlap once."""
     totals: dict[str, float] = defaultdict(float)
     previous_end = None
-    for event in kernels:
-        start, end = event.time_range.start, event.time_range.end
+    for name, start, end in sorted(kernels, key=lambda kernel: kernel[1]):
         began = start if previous_end is None else max(start, previous_end)
-        totals[kind_of(event.name)] += max(end - began, 0.0)
+        totals[kind_of(name)] += max(end - began, 0.0)
         previous_end = end if previous_end is None else max(previous_end, end)
-    return {kind: us / calls for kind, us in totals.items()}
+    return dict(totals)
 
 
 def main() -> None:

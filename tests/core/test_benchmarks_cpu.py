@@ -160,3 +160,18 @@ def test_host_instructions_worker_runs_every_path(tmp_path) -> None:
     command = [sys.executable, "-m", "benchmarks.host_instructions", "--worker", str(root), str(library), "3", planned]
     env = {**os.environ, "MHC_CACHE_DIR": str(tmp_path / "cache")}
     subprocess.run(command, cwd=root, env=env, check=True, capture_output=True, timeout=600)
+
+
+def test_kernel_split_charges_overlapping_kernels_once() -> None:
+    """``benchmarks.kernel_split``: a PDL-overlapped kernel is charged from its predecessor's end;
+    kinds by name (anything else is the boundary)."""
+    from benchmarks.kernel_split import charge, kind_of
+
+    assert [kind_of(n) for n in ("kernel_PublishKernel_x", "ReduceKernel", "FinalizePublish", "MHC")] == [
+        "publish",
+        "reduce",
+        "finalize",
+        "boundary",
+    ]
+    kernels = [("Publish", 0.0, 4.0), ("Reduce", 3.0, 6.0), ("Boundary", 5.0, 15.0), ("Publish", 20.0, 21.0)]
+    assert charge(kernels) == {"publish": 5.0, "reduce": 2.0, "boundary": 9.0}
