@@ -240,14 +240,11 @@ def test_dsv_moe_and_two_phases_with_a_two_shot() -> None:
     assert kernels.calls[-1][1]["prefetch"] == 0, "a loopback collect follows another rank's kernel"
 
 
-def test_loopback_publish_on_every_rank_then_collect_on_each() -> None:
-    """What a loopback user writes: ``publish()`` on every rank, then ``collect()`` on each. The first
-    two-shot collect runs every rank's reduce; a later rank's collect finds its reduce run and
-    launches its boundary alone (it must not ask for the earlier ranks' publishes, collected by
-    then: that raised on the H100 at 73afb87). A collect before every rank has published raises."""
+def loopback_two_shot_ops(tp: int) -> list:
+    """``tp`` recorder-kernel DSV ops (``dsv_two_shot_op``) joined as one instance of a real
+    ``LoopbackGroup``'s ranks (built without a GPU); ``(op, kernels)`` per rank."""
     from mhc_core.host.ranks.groups import LoopbackGroup, LoopbackRank
 
-    tp = 2
     group = object.__new__(LoopbackGroup)
     group.__dict__.update(world_size=tp, _instances={}, _mailboxes={}, _ballots={})
     group.ranks = tuple(LoopbackRank(group, rank) for rank in range(tp))
@@ -256,6 +253,16 @@ def test_loopback_publish_on_every_rank_then_collect_on_each() -> None:
         op.__dict__.update(rank=rank, group=group[rank])
         group[rank]._instance_of[op] = 0
         group._instances.setdefault(0, {})[rank] = op
+    return built
+
+
+def test_loopback_publish_on_every_rank_then_collect_on_each() -> None:
+    """What a loopback user writes: ``publish()`` on every rank, then ``collect()`` on each. The first
+    two-shot collect runs every rank's reduce; a later rank's collect finds its reduce run and
+    launches its boundary alone (it must not ask for the earlier ranks' publishes, collected by
+    then: that raised on the H100 at 73afb87). A collect before every rank has published raises."""
+    tp = 2
+    built = loopback_two_shot_ops(tp)
     for round_ in range(2):
         for op, kernels in built:
             kernels.calls.clear()
@@ -266,6 +273,45 @@ def test_loopback_publish_on_every_rank_then_collect_on_each() -> None:
     built[0][0].publish(torch.randn(5, HIDDEN).to(torch.bfloat16))
     with pytest.raises(RuntimeError, match=r"needs every rank's publish\(\) first; ranks \[1\]"):
         built[0][0].collect(*dsv_args(5))
+
+
+def test_loopback_collects_of_two_ranks_from_two_threads_do_not_deadlock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's and rank 1's ``collect()`` on two threads, after every rank's publish: the first runs
+    every rank's reduce. Each rank's lock taken under the other's (its own first, then its peers' in
+    rank order) deadlocked; every rank's lock is now taken in the process-wide order, before the
+    op's own. A slow reduce launch holds the window open."""
+    import threading
+    import time
+
+    from mhc_core.host.calls.two_phase import TwoPhaseCalls
+
+    run_exchange = TwoPhaseCalls._run_exchange
+
+    def slow_exchange(self, *args, **kwargs):
+        time.sleep(0.2)
+        return run_exchange(self, *args, **kwargs)
+
+    monkeypatch.setattr(TwoPhaseCalls, "_run_exchange", slow_exchange)
+    built = loopback_two_shot_ops(2)
+    for op, _ in built:
+        op.publish(torch.randn(5, HIDDEN).to(torch.bfloat16))
+    failures: list[BaseException] = []
+
+    def collect(op) -> None:
+        try:
+            op.collect(*dsv_args(5))
+        except BaseException as error:  # reported below
+            failures.append(error)
+
+    threads = [threading.Thread(target=collect, args=(op,), daemon=True) for op, _ in built]
+    threads[0].start()
+    time.sleep(0.05)  # rank 0's collect is inside rank 0's reduce launch
+    threads[1].start()
+    for thread in threads:
+        thread.join(10.0)
+    assert not any(thread.is_alive() for thread in threads), "two ranks' collects deadlocked"
+    assert not failures, failures[0]
+    assert [kernels.names() for _, kernels in built] == [["scatter", "reduce", "gather"]] * 2
 
 
 def test_warm_up_launches_every_kernel_of_both_protocols() -> None:

@@ -60,6 +60,11 @@ class TwoPhaseCalls:
 
     def _collect_pending(self, values: tuple[Any, ...], out: Any, after_publish: bool) -> Any:
         """Validate and launch the collective for the pending publish's M."""
+        if self.group.kind == "loopback":
+            # Loopback ranks run one after another: this rank's boundary needs every rank's reduce,
+            # so the first two-shot collect runs them all (after every rank's publish), holding every
+            # rank's lock in the process-wide order: before this op's own, never under it.
+            self.group.exchange_pending(self)
         with self._lock:
             self._check_usable()
             if self._pending_m is None:
@@ -67,12 +72,11 @@ class TwoPhaseCalls:
             flags = AFTER_PUBLISH_FLAG if after_publish else 0
             program = self._programs.collect
             if self._loopback_two_shot(self._pending_m):
-                # Loopback ranks run one after another: this rank's boundary needs every rank's
-                # reduce, so the first collect runs them all (after every rank's publish); the later
-                # ranks' collects find theirs run (the earlier ranks have collected by then: their
-                # publishes are no longer pending, and must not be asked for).
-                if not self._exchanged:
-                    self.group.exchange_pending(self, self._pending_m)
+                if not self._exchanged:  # a publish() on this rank from another thread, in between
+                    raise RuntimeError(
+                        "collect(): this rank published again while its loopback two-shot collect ran "
+                        "every rank's reduce; call publish() and collect() of one rank from one thread"
+                    )
                 program = self._programs.gather
             self._in_launch = False
             try:

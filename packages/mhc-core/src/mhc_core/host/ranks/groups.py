@@ -173,24 +173,33 @@ class LoopbackRank(RankGroup):
         joined = self.group._instances.get(self._instance_of.get(op, -1), {})
         return [rank for rank in range(self.tp) if rank not in joined]
 
-    def exchange_pending(self, op: Any, m: int) -> None:
-        """A two-shot ``collect()`` on a loopback rank: every rank's reduce of the instance, once, in
-        rank order (each needs every rank's publish, and each rank's boundary every rank's reduce).
-        Every rank must have published M first: else the reduce would wait for a publish queued
-        behind it, so this raises instead."""
+    def exchange_pending(self, op: Any) -> None:
+        """Before a ``collect()`` on a loopback rank: if ``op``'s pending publish is a two-shot whose
+        reduce has not run, every rank's reduce of the instance, once each, in rank order (each needs
+        every rank's publish, and each rank's boundary every rank's reduce). Every rank must have
+        published the same M first: else a reduce would wait for a publish queued behind it, so this
+        raises instead. Every rank's lock is held throughout, taken in the process-wide order
+        (``lock_order``), so two threads collecting two ranks cannot wait for each other; anything
+        else wrong with the collect (nothing pending, a closed op) is left to it to raise."""
         ranks = self.group._instances.get(self._instance_of.get(op, -1), {})
-        pending = {rank: getattr(peer, "_pending_m", None) for rank, peer in sorted(ranks.items())}
-        waiting = [rank for rank, peer_m in pending.items() if peer_m != m]
-        if len(ranks) != self.tp or waiting:
-            raise RuntimeError(
-                f"collect(): a loopback two-shot collect (M = {m}) needs every rank's publish() first; "
-                f"ranks {waiting or self.missing_peers(op)} have {[pending.get(r) for r in waiting]} pending"
-            )
-        for rank in sorted(ranks):
-            peer = ranks[rank]
-            with peer._lock:
-                if not peer._exchanged:
-                    peer._run_exchange(m)
+
+        def run() -> list[Any]:
+            m = op._pending_m
+            if op._closed or m is None or op._exchanged or not op._loopback_two_shot(m):
+                return []
+            pending = {rank: peer._pending_m for rank, peer in sorted(ranks.items())}
+            waiting = [rank for rank, peer_m in pending.items() if peer_m != m]
+            if len(ranks) != self.tp or waiting:
+                raise RuntimeError(
+                    f"collect(): a loopback two-shot collect (M = {m}) needs every rank's publish() first; "
+                    f"ranks {waiting or self.missing_peers(op)} have {[pending.get(r) for r in waiting]} pending"
+                )
+            for rank in sorted(ranks):
+                if not ranks[rank]._exchanged:
+                    ranks[rank]._run_exchange(m)
+            return []
+
+        _holding_locks([op, *ranks.values()], run)
 
     def __repr__(self) -> str:
         return f"LoopbackRank({self.rank} of {self.tp})"
