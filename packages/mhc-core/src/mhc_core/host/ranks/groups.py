@@ -179,13 +179,14 @@ class LoopbackRank(RankGroup):
         every rank's publish, and each rank's boundary every rank's reduce). Every rank must have
         published the same M first: else a reduce would wait for a publish queued behind it, so this
         raises instead. Every rank's lock is held throughout, taken in the process-wide order
-        (``lock_order``), so two threads collecting two ranks cannot wait for each other; anything
-        else wrong with the collect (nothing pending, a closed op) is left to it to raise."""
+        (``lock_order``), so two threads collecting two ranks cannot wait for each other. A collect
+        with nothing pending is left to the collect to refuse."""
         ranks = self.group._instances.get(self._instance_of.get(op, -1), {})
 
         def run() -> list[Any]:
+            op._check_usable()  # a closed or poisoned op raises as its collect would, launching nothing
             m = op._pending_m
-            if op._closed or m is None or op._exchanged or not op._loopback_two_shot(m):
+            if m is None or op._exchanged or not op._loopback_two_shot(m):
                 return []
             pending = {rank: peer._pending_m for rank, peer in sorted(ranks.items())}
             waiting = [rank for rank, peer_m in pending.items() if peer_m != m]
