@@ -66,12 +66,13 @@ def _stand_in_streams(streams) -> None:
 
     main = Stream(0)
     cuda = SimpleNamespace(
-        Event=Event, Stream=lambda device=None: Stream(9), current_stream=lambda device=None: main,
+        Event=Event, current_stream=lambda device=None: main,
         current_device=lambda: 0, is_current_stream_capturing=lambda: False,
     )  # fmt: skip
     import torch
 
     streams.torch = SimpleNamespace(cuda=cuda, _C=torch._C, Tensor=torch.Tensor)
+    streams.SIDE_STREAMS = SimpleNamespace(acquire=lambda device: Stream(9), release=lambda stream: None)
     streams._is_capturing = bool  # a C builtin returning False
     streams.current_stream_handle = abs  # a C builtin: abs(0) is the stand-in stream's handle
 

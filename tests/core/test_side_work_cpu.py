@@ -38,10 +38,10 @@ class FakeEvent:
 def side(monkeypatch: pytest.MonkeyPatch) -> Iterator[SimpleNamespace]:
     log: list = []
     main = FakeStream("main", log)
-    cuda = SimpleNamespace(
-        Event=FakeEvent, Stream=lambda device=None: FakeStream("side", log), current_stream=lambda device=None: main
-    )
+    cuda = SimpleNamespace(Event=FakeEvent, current_stream=lambda device=None: main)
     monkeypatch.setattr(streams, "torch", SimpleNamespace(cuda=cuda))
+    acquire = lambda device: FakeStream("side", log)  # noqa: E731
+    monkeypatch.setattr(streams, "SIDE_STREAMS", SimpleNamespace(acquire=acquire, release=lambda stream: None))
     work = streams.SideWork(torch.device("cpu"))
     yield SimpleNamespace(work=work, main=main, other=FakeStream("other", log), log=log)
     work._eager_held = ()  # its __del__ would record them on the stand-in stream
@@ -125,3 +125,47 @@ def test_side_work_of_an_ended_capture_is_forgotten(side) -> None:
     side.work.launched(7, held, side.main)
     side.work.join(side.main, 8)  # another capture: that one ended or failed
     assert side.work._captured is None and side.log == []
+
+
+# ----------------------------------------------------- the side stream: mhc's own, not torch's pool
+class FakeExternalStream:
+    def __init__(self, handle: int, device: torch.device) -> None:
+        self.cuda_stream, self.device = handle, device
+
+
+@pytest.fixture
+def dedicated(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+    """A real ``DedicatedStreams`` whose CUDA streams are numbers (``created`` logs each creation)."""
+    created: list[tuple[torch.device, int]] = []
+
+    def create(device: torch.device) -> int:
+        created.append((device, 100 + len(created)))
+        return created[-1][1]
+
+    cuda = SimpleNamespace(Event=FakeEvent, ExternalStream=FakeExternalStream, current_stream=lambda device=None: None)
+    monkeypatch.setattr(streams, "torch", SimpleNamespace(cuda=cuda))
+    pool = streams.DedicatedStreams(create)
+    monkeypatch.setattr(streams, "SIDE_STREAMS", pool)
+    return SimpleNamespace(pool=pool, created=created)
+
+
+def test_live_side_works_never_share_a_stream_and_a_dropped_ones_is_reused(dedicated) -> None:
+    """torch.cuda.Stream() would hand the 33rd caller the first one's stream again (a pool of 32):
+    each live SideWork here has a stream of its own, however many there are; a dropped one's
+    stream goes to the next SideWork instead of a new stream being created."""
+    cpu = torch.device("cpu")
+    works = [streams.SideWork(cpu) for _ in range(40)]
+    handles = [work.handle for work in works]
+    assert len(set(handles)) == 40 and len(dedicated.created) == 40
+    dropped = works.pop(7).handle  # SideWork.__del__ releases its stream
+    assert streams.SideWork(cpu).handle == dropped and len(dedicated.created) == 40
+
+
+def test_streams_are_kept_apart_by_device(dedicated) -> None:
+    zero, one = torch.device("cuda", 0), torch.device("cuda", 1)
+    first = dedicated.pool.acquire(zero)
+    dedicated.pool.release(first)
+    on_one = dedicated.pool.acquire(one)
+    assert on_one.cuda_stream != first.cuda_stream and on_one.device == one
+    assert dedicated.pool.acquire(zero).cuda_stream == first.cuda_stream
+    assert [device for device, _ in dedicated.created] == [zero, one]

@@ -492,6 +492,17 @@ def test_mixes_kernel_does_not_wait_for_the_boundary_in_a_graph(name: str, tmp_p
         assert not reaches(own, mix), "the mixes kernel waits for its boundary (the fork is late)"
 
 
+def test_side_stream_is_none_of_torchs_pooled_streams() -> None:
+    """``torch.cuda.Stream()`` hands out 32 pooled streams per device and priority, round-robin. An
+    engine's streams, or a graph's capture stream, taken from that pool must never be the op's
+    side stream: the mixes kernel would then queue behind the boundary (the test above failed that
+    way late in the suite, once enough streams had been handed out) or the engine's work behind it."""
+    op = ops_for("h200-tp1-h4096")[0]
+    pooled = {torch.cuda.Stream(priority=priority).cuda_stream for priority in (0, -1) for _ in range(64)}
+    side = op.side_stream.cuda_stream
+    assert side not in pooled, f"the op's side stream {side:#x} is one of torch's pooled streams"
+
+
 def mixes_alone(op):
     """The op's mixes kernel launched by itself (with the op's buffers and spin bound)."""
     from mhc_core.host.binaries.launch import BoundKernel

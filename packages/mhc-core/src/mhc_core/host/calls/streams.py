@@ -10,7 +10,8 @@ device in the order they were issued, whatever stream each was issued on:
   non-captured event may only be waited on from a capture that way). Graph replays are not
   seen by the host: replay a graph on the stream the op's eager calls use, or order the two
   yourself, as for any tensor a graph and eager work share.
-* ``SideWork``: work an op forks onto its own side stream (GLM's mixes kernel). The main
+* ``SideWork``: work an op forks onto its own side stream (GLM's mixes kernel; a stream of
+  mhc's own, never one of torch's pooled streams: ``DedicatedStreams``). The main
   stream waits for it before the op's next call and at ``join``; the tensors it uses stay
   alive until then: ``record_stream`` in eager mode, a reference held until the join inside
   a capture (where a dropped output's memory would otherwise go to the next allocation of
@@ -23,6 +24,7 @@ No event is queried or synchronised here: both are illegal while any stream capt
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -68,6 +70,46 @@ def captures_in_progress() -> list[torch.cuda.Stream]:
         else:
             _CAPTURE_STREAMS.pop(handle, None)
     return busy
+
+
+class DedicatedStreams:
+    """CUDA streams of mhc's own, one per live ``SideWork``. ``torch.cuda.Stream()`` hands out 32
+    pooled streams per device round-robin: after 32 more, an op's side stream would be the caller's
+    capture stream, another op's side stream or an engine's own, and the mixes kernel would wait
+    for the boundary (or the engine's work for the mixes). A released stream goes to the next
+    ``SideWork``, never destroyed: the caching allocator records an event on every stream a tensor
+    was ``record_stream``-ed on when that tensor is freed, which may be after its op is gone."""
+
+    def __init__(self, create: Callable[[torch.device], int] | None = None) -> None:
+        self._create = create or _create_non_blocking_stream
+        self._free: dict[torch.device, list[int]] = {}
+        self._lock = threading.Lock()
+
+    def acquire(self, device: torch.device) -> torch.cuda.Stream:
+        """A stream on ``device`` no live ``SideWork`` and no torch pool hands out."""
+        with self._lock:
+            free = self._free.setdefault(device, [])
+            handle = free.pop() if free else self._create(device)
+        return torch.cuda.ExternalStream(handle, device=device)
+
+    def release(self, stream: torch.cuda.Stream) -> None:
+        """``stream`` (from ``acquire``) may go to the next ``SideWork``; later work there follows its own."""
+        with self._lock:
+            self._free.setdefault(stream.device, []).append(stream.cuda_stream)
+
+
+def _create_non_blocking_stream(device: torch.device) -> int:
+    from cuda.bindings import runtime
+
+    with torch.cuda.device(device):
+        error, handle = runtime.cudaStreamCreateWithFlags(runtime.cudaStreamNonBlocking)
+    if error != runtime.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"cudaStreamCreateWithFlags failed on {device}: {error}")
+    return int(handle)
+
+
+#: Where every ``SideWork`` takes its stream from.
+SIDE_STREAMS = DedicatedStreams()
 
 
 @dataclass
@@ -184,7 +226,7 @@ class SideWork:
     """
 
     def __init__(self, device: torch.device) -> None:
-        self.stream = torch.cuda.Stream(device)
+        self.stream = SIDE_STREAMS.acquire(device)
         #: The raw handle of ``stream``, for launches onto it.
         self.handle: int = self.stream.cuda_stream
         current = torch.cuda.current_stream(device)
@@ -274,3 +316,5 @@ class SideWork:
         # Dropped with side work never joined: its tensors' memory must wait for the side stream.
         for tensor in getattr(self, "_eager_held", ()):
             tensor.record_stream(self.stream)
+        if hasattr(self, "stream"):
+            SIDE_STREAMS.release(self.stream)
