@@ -71,10 +71,13 @@ class Run:
     name: str
     header: dict
     records: list = field(default_factory=list)
+    #: The run's place in its day: its NOTES.md's ordinal ("twenty-sixth run" -> 26), else after them.
+    run_of_day: float = 99
 
     @property
-    def order(self) -> tuple[str, str]:
-        return (self.header.get("date", ""), self.folder)
+    def order(self) -> tuple[str, float, str]:
+        # A folder's name after its date is a commit: it orders nothing, the run's ordinal does.
+        return (self.header.get("date", ""), self.run_of_day, self.folder)
 
 
 def kind(suite: str) -> str:
@@ -88,6 +91,7 @@ def load(results: Path) -> list[Run]:
     results file (no ``records`` list) is refused by name rather than skipped."""
     runs = []
     for folder in sorted(path for path in results.iterdir() if path.is_dir() and RUN_FOLDER.match(path.name)):
+        run_of_day = notes_title(folder / "NOTES.md")[1]
         for path in sorted(folder.glob("*.json")):
             payload = json.loads(path.read_text())
             if not isinstance(payload, dict) or not isinstance(payload.get("records"), list):
@@ -95,12 +99,13 @@ def load(results: Path) -> list[Run]:
             header = {key: value for key, value in payload.items() if key != "records"}
             defaults = {"mailbox_floor_us": None, "note": None}
             records = [SimpleNamespace(**{**defaults, **record}) for record in payload["records"]]
-            runs.append(Run(folder.name, path.name, header, records))
+            runs.append(Run(folder.name, path.name, header, records, run_of_day))
     return sorted(runs, key=lambda run: run.order)
 
 
 def latest(runs: list[Run], wanted: str) -> list:
-    """The figures of one kind: per (suite, tp, M, variant) the latest folder's, the median of its repeats."""
+    """The figures of one kind: per (suite, tp, M, variant) the latest folder's, the median of its repeats.
+    ``runs`` come oldest first (``load``)."""
     by_folder: dict[str, dict[tuple, list]] = {}
     for run in runs:
         for record in run.records:
@@ -253,14 +258,23 @@ def ordinal(label: str) -> float:
     return ORDINALS[match.group(2)] + (20 if match.group(1) else 0)
 
 
+def notes_title(notes: Path) -> tuple[str, float, str, str]:
+    """(date, ordinal, run label, what it measured) from a NOTES.md's first line, e.g. "2026-12-07
+    (twenty-sixth run) — ..."; a folder without notes sorts after its day's runs."""
+    if not notes.is_file():
+        return "", 99, "", ""
+    title = notes.read_text().splitlines()[0].lstrip("# ").strip()
+    match = re.match(r"(\d{4}-\d{2}-\d{2}) \((.+?)\)[:,]?\s*(?:— )?(.*)", title)
+    date, label, what = match.groups() if match else ("", "", title)
+    return date, ordinal(label), label, what
+
+
 def history(results: Path, page: Path) -> str:
     """Every folder's NOTES.md, newest first: run, date, what it measured (its first line)."""
     entries = []
     for notes in results.glob("*/NOTES.md"):
-        title = notes.read_text().splitlines()[0].lstrip("# ").strip()
-        match = re.match(r"(\d{4}-\d{2}-\d{2}) \((.+?)\)[:,]?\s*(?:— )?(.*)", title)
-        date, label, what = match.groups() if match else ("", "", title)
-        entries.append(((date, ordinal(label), notes.parent.name), label, what, notes))
+        date, run_of_day, label, what = notes_title(notes)
+        entries.append(((date, run_of_day, notes.parent.name), label, what, notes))
     lines = ["| date | run | what | notes |", "|---|---|---|---|"]
     for (date, _, folder), label, what, notes in sorted(entries, reverse=True):
         lines.append(f"| {date} | {label} | {what} | [`{folder}/NOTES.md`]({relative(notes, page)}) |")

@@ -78,6 +78,26 @@ def test_two_shot_section_appears_with_a_two_shot_file(tmp_path: Path) -> None:
     assert "### two-shot, tp 4" not in text
 
 
+def test_of_two_runs_on_one_day_the_later_by_its_notes_gives_the_figure(tmp_path: Path) -> None:
+    """A folder's name after its date is a commit, which orders nothing: of two runs on one day, the
+    one its NOTES.md calls later gives the figure, whichever commit sorts first."""
+    results = results_copy(tmp_path)
+    header = {"gpu": "Fixture GPU", "tp": 1, "copy_bandwidth_tb_s": 4.0}
+    for commit, ordinal, us in (("fffffff", "fourth", 7.0), ("0000000", "fifth", 5.0)):
+        folder = results / f"2026-01-04-{commit}"
+        folder.mkdir()
+        (folder / "NOTES.md").write_text(f"# 2026-01-04 ({ordinal} run): M = 1 once more\n")
+        record = {"suite": "model-a", "tp": 1, "m": 1, "variant": "fused OpA (x1)", "us": us, "floor_us": 0.25}
+        (folder / "tp1.json").write_text(
+            json.dumps({**header, "date": "2026-01-04", "commit": commit, "records": [record]})
+        )
+    done = page(results=results, tmp_path=tmp_path)
+    assert done.returncode == 0, done.stderr
+    text = (tmp_path / "PAGE.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| 1 | ") and "2026-01-04-" in line]
+    assert len(rows) == 1 and rows[0].startswith("| 1 | 5.00 (x1) |") and "2026-01-04-0000000 |" in rows[0], rows
+
+
 def test_plots_are_drawn_for_each_tp(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="the plots need matplotlib (the page is written without it)")
     done = page(results=FIXTURE, tmp_path=tmp_path)
