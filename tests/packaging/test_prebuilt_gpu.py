@@ -104,7 +104,10 @@ def shipped_for(arch: str) -> bool:
     return True
 
 
-def test_preset_ops_run_on_shipped_kernels_alone() -> None:
+def test_preset_ops_run_on_shipped_kernels_alone(record_property) -> None:
+    """Every H200 preset op built from shipped kernels alone (the DSL never imported) runs. Its cold
+    construction seconds per rank are printed (``-s``) and recorded in a ``--junitxml`` report, for
+    issue #52's bound (<= 0.05 s): a figure to read, not a timed assertion."""
     import torch
 
     from mhc_core.host.binaries.compiler import device_arch
@@ -116,4 +119,5 @@ def test_preset_ops_run_on_shipped_kernels_alone() -> None:
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     print(json.dumps(report, indent=1))
+    record_property("construction_s", json.dumps(report["construction_s"]))
     assert report["outputs"] >= 2 * 2 * 8 * 2, report  # every preset, both inputs, every rank's outputs
