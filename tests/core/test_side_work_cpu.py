@@ -169,3 +169,23 @@ def test_streams_are_kept_apart_by_device(dedicated) -> None:
     assert on_one.cuda_stream != first.cuda_stream and on_one.device == one
     assert dedicated.pool.acquire(zero).cuda_stream == first.cuda_stream
     assert [device for device, _ in dedicated.created] == [zero, one]
+
+
+def test_a_side_work_dropped_inside_acquire_does_not_deadlock(dedicated) -> None:
+    """A garbage collection can run inside ``acquire`` (it allocates) and drop a SideWork, whose
+    __del__ releases its stream to the same pool on the same thread: the pool's lock is re-entrant."""
+    import threading
+
+    cpu = torch.device("cpu")
+    victims = [streams.SideWork(cpu)]
+    create = dedicated.pool._create
+
+    def create_while_collecting(device: torch.device) -> int:
+        victims.clear()  # what a collection inside the allocation would do
+        return create(device)
+
+    dedicated.pool._create = create_while_collecting
+    worker = threading.Thread(target=lambda: streams.SideWork(cpu), daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "acquire deadlocked on its own lock"

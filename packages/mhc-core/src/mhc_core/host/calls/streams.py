@@ -83,7 +83,8 @@ class DedicatedStreams:
     def __init__(self, create: Callable[[torch.device], int] | None = None) -> None:
         self._create = create or _create_non_blocking_stream
         self._free: dict[torch.device, list[int]] = {}
-        self._lock = threading.Lock()
+        # Re-entrant: a garbage collection inside ``acquire`` may drop a SideWork, whose __del__ releases.
+        self._lock = threading.RLock()
 
     def acquire(self, device: torch.device) -> torch.cuda.Stream:
         """A stream on ``device`` no live ``SideWork`` and no torch pool hands out."""
