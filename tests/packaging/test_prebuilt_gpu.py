@@ -3,9 +3,10 @@ DSL compiler imported, and the cold construction time of a preset op.
 
 It needs the H200 presets' kernels exported into the packages (``nox -s build``, or ``python3 -m
 tools.export_kernels --arch sm_90a``) and skips with that reason elsewhere. In a fresh process (its
-``sys.modules`` is the engine's): the CUDA context first, then every H200 preset of both models
-built (tp 1, and the loopback ranks of tp 2/4/8) and called once with fresh data (plain and MoE
-input, -0 among it), every output finite; then no module of the DSL (``cutlass``) was imported.
+``sys.modules`` is the engine's): the CUDA context and ``torch._dynamo`` first, then every H200
+preset of both models built (tp 1, and the loopback ranks of tp 2/4/8) and called once with fresh
+data (plain and MoE input, -0 among it), every output finite; then no module of the DSL
+(``cutlass``) was imported, nor ``cuda.bindings``' runtime (~0.1 s to import).
 The reference checks of the same presets are the model suites' (run them with the DSL absent from
 the path to prove they need none: the closing note of issue #17 says how).
 """
@@ -27,6 +28,13 @@ SCRIPT = """
 import json, sys, time
 import torch
 torch.zeros(1, device="cuda")  # the CUDA context exists before anything is timed
+# So does torch._dynamo, as in any engine that compiles: otherwise the first op's custom ops
+# import it when they register (4.7-7.5 s on the H200 host, whose torch has no bytecode caches),
+# a cost of the process, not of an op (BENCHMARKS.md's "cold construction" says the same).
+start = time.perf_counter()
+import torch._dynamo
+dynamo_s = time.perf_counter() - start
+bindings_before = "cuda.bindings.runtime" in sys.modules
 from mhc_core import LoopbackGroup, MoEOutput, run_ranks
 from mhc_dsv41 import AllReduceMHC
 from mhc_dsv41 import presets as dsv_presets
@@ -79,7 +87,10 @@ for model, cls, presets in (("dsv41", AllReduceMHC, dsv_presets), ("glm5", AllRe
                     outputs += 1
 dsl = sorted(module for module in sys.modules if module.split(".")[0] == "cutlass")
 assert not dsl, f"the DSL was imported: {dsl[:5]}"
-print(json.dumps({"construction_s": timings, "phases_s": phases, "outputs": outputs}))
+# Importing cuda.bindings' runtime takes ~0.1 s: twice the bound, paid by the first GLM op for its
+# side stream until mhc_core.host.binaries.cuda_runtime created it through torch's own libcudart.
+assert bindings_before or "cuda.bindings.runtime" not in sys.modules, "building or calling an op imported cuda.bindings"
+print(json.dumps({"construction_s": timings, "phases_s": phases, "outputs": outputs, "dynamo_import_s": dynamo_s}))
 """
 
 

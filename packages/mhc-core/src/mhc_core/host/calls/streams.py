@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..binaries import cuda_runtime
 from ..binaries.launch import current_stream_handle
 
 #: Whether the current stream captures: torch's C accessor (what is_current_stream_capturing calls).
@@ -81,7 +82,7 @@ class DedicatedStreams:
     was ``record_stream``-ed on when that tensor is freed, which may be after its op is gone."""
 
     def __init__(self, create: Callable[[torch.device], int] | None = None) -> None:
-        self._create = create or _create_non_blocking_stream
+        self._create = create or cuda_runtime.create_non_blocking_stream
         self._free: dict[torch.device, list[int]] = {}
         # Re-entrant: a garbage collection inside ``acquire`` may drop a SideWork, whose __del__ releases.
         self._lock = threading.RLock()
@@ -97,16 +98,6 @@ class DedicatedStreams:
         """``stream`` (from ``acquire``) may go to the next ``SideWork``; later work there follows its own."""
         with self._lock:
             self._free.setdefault(stream.device, []).append(stream.cuda_stream)
-
-
-def _create_non_blocking_stream(device: torch.device) -> int:
-    from cuda.bindings import runtime
-
-    with torch.cuda.device(device):
-        error, handle = runtime.cudaStreamCreateWithFlags(runtime.cudaStreamNonBlocking)
-    if error != runtime.cudaError_t.cudaSuccess:
-        raise RuntimeError(f"cudaStreamCreateWithFlags failed on {device}: {error}")
-    return int(handle)
 
 
 #: Where every ``SideWork`` takes its stream from.

@@ -1,4 +1,5 @@
-"""CUDA IPC through the CUDA runtime library torch already loaded (``ctypes``: no extension to build).
+"""CUDA IPC through the CUDA runtime library torch already loaded
+(``mhc_core.host.binaries.cuda_runtime``: ``ctypes``, no extension to build).
 
 A rank allocates plain device memory (``cudaMalloc``, outside torch's caching allocator, so its
 lifetime is the op's and no allocator setting such as expandable segments changes how it is
@@ -6,8 +7,8 @@ shared), exports a 64-byte handle, and every peer process maps it (``cudaIpcOpen
 This works between processes on one GPU, which torch symmetric memory refuses, and between GPUs
 of one node with peer access. A process cannot open its own handle: its own rank uses the pointer.
 
-The runtime is the one torch's CUDA build links (found in ``/proc/self/maps``), so the current
-device torch sets is the one these calls use.
+The runtime is the one torch's CUDA build links, so the current device torch sets is the one these
+calls use.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import weakref
-from pathlib import Path
 from typing import Any
 
 import torch
+
+from ..binaries import cuda_runtime
 
 #: ``cudaIpcMemLazyEnablePeerAccess``: enable peer access between two GPUs when needed.
 _LAZY_PEER_ACCESS = 1
@@ -31,35 +33,14 @@ class IpcHandle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_char * HANDLE_BYTES)]
 
 
-def _loaded_runtime() -> str | None:
-    """The path of the ``libcudart`` this process has mapped (torch's), or None."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return None
-    for line in maps.splitlines():
-        path = line.rpartition(" ")[2]
-        if "/libcudart.so" in path:
-            return path
-    return None
-
-
 @functools.cache
 def runtime() -> ctypes.CDLL:
-    """The CUDA runtime library, with the IPC functions' prototypes declared."""
-    torch.cuda.init()
-    path = _loaded_runtime()
-    candidates = [path] if path else []
-    candidates += [f"libcudart.so.{major}" for major in (13, 12)] + ["libcudart.so"]
-    errors = []
-    for candidate in candidates:
-        try:
-            library = ctypes.CDLL(candidate)
-            break
-        except OSError as error:
-            errors.append(f"{candidate}: {error}")
-    else:
-        raise RuntimeError("mailbox_allocation='ipc': no CUDA runtime library found (" + "; ".join(errors) + ")")
+    """The CUDA runtime library torch loaded (``mhc_core.host.binaries.cuda_runtime``), with the IPC
+    functions' prototypes declared."""
+    try:
+        library = cuda_runtime.runtime()
+    except RuntimeError as error:
+        raise RuntimeError(f"mailbox_allocation='ipc': {error}") from None
     pointer, size, handle_p = ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.POINTER(IpcHandle)
     prototypes: dict[str, tuple[Any, ...]] = {
         "cudaMalloc": (pointer, size),
@@ -72,14 +53,12 @@ def runtime() -> ctypes.CDLL:
         function = getattr(library, name)
         function.argtypes = list(arguments)
         function.restype = ctypes.c_int
-    library.cudaGetErrorString.argtypes = [ctypes.c_int]
-    library.cudaGetErrorString.restype = ctypes.c_char_p
     return library
 
 
 def _check(status: int, what: str) -> None:
     if status:
-        message = runtime().cudaGetErrorString(status).decode(errors="replace")
+        message = cuda_runtime.error_text(status)
         raise RuntimeError(f"mailbox_allocation='ipc': {what} failed: CUDA error {status} ({message})")
 
 
