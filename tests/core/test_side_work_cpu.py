@@ -189,3 +189,53 @@ def test_a_side_work_dropped_inside_acquire_does_not_deadlock(dedicated) -> None
     worker.start()
     worker.join(timeout=10)
     assert not worker.is_alive(), "acquire deadlocked on its own lock"
+
+
+# ------------------------------------------- the stream's creation: torch's libcudart, not cuda.bindings
+class FakeRuntime:
+    """``cudaStreamCreateWithFlags`` and ``cudaGetErrorString`` of a stand-in libcudart."""
+
+    def __init__(self, status: int) -> None:
+        self.status, self.flags = status, []
+
+    def cudaStreamCreateWithFlags(self, handle: object, flags: int) -> int:
+        self.flags.append(flags)
+        handle._obj.value = 0x5EED  # type: ignore[attr-defined]  (a ctypes byref)
+        return self.status
+
+    def cudaGetErrorString(self, status: int) -> bytes:
+        return b"out of memory"
+
+
+@pytest.fixture
+def fake_cudart(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeRuntime]:
+    import contextlib
+
+    from mhc_core.host.binaries import cuda_runtime
+
+    fake = FakeRuntime(0)
+    monkeypatch.setattr(cuda_runtime, "runtime", lambda: fake)
+    monkeypatch.setattr(cuda_runtime.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    yield fake
+
+
+def test_a_side_stream_is_created_non_blocking_through_torchs_libcudart(fake_cudart) -> None:
+    """The default ``DedicatedStreams`` creates each stream with ``cudaStreamNonBlocking`` through the
+    CUDA runtime torch loaded (``mhc_core.host.binaries.cuda_runtime``), not through ``cuda.bindings``
+    (whose runtime module takes ~0.1 s to import: twice a cold op's 0.05 s)."""
+    from mhc_core.host.binaries import cuda_runtime
+
+    device = torch.device("cuda", 3)
+    assert streams.DedicatedStreams()._create is cuda_runtime.create_non_blocking_stream
+    assert cuda_runtime.create_non_blocking_stream(device) == 0x5EED
+    assert fake_cudart.flags == [cuda_runtime.STREAM_NON_BLOCKING] == [1]
+
+
+def test_a_stream_that_cannot_be_created_names_the_device_and_the_cuda_error(fake_cudart) -> None:
+    from mhc_core.host.binaries import cuda_runtime
+
+    fake_cudart.status = 2
+    with pytest.raises(
+        RuntimeError, match=r"cudaStreamCreateWithFlags failed on cuda:3: CUDA error 2 \(out of memory\)"
+    ):
+        cuda_runtime.create_non_blocking_stream(torch.device("cuda", 3))

@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ..binaries.compiler import LOG
+LOG = logging.getLogger("mhc")
 
 STAGES = ("config", "kernels", "mapped", "ready")
 
