@@ -36,7 +36,7 @@ import torch._dynamo
 dynamo_s = time.perf_counter() - start
 
 # Records where mhc's own code imports cuda.bindings' runtime (~0.1 s: twice the bound; the first
-# GLM op paid it for its side stream until 7abdbcd). An import by torch does not count.
+# GLM op did, for its side stream, until 7abdbcd, unless torch had). An import by torch does not count.
 class BindingsImportWatch:
     by_mhc = []
 

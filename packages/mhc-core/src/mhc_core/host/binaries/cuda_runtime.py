@@ -2,7 +2,8 @@
 no Python API for (CUDA IPC, a stream outside torch's pool), with no extension to build.
 
 Not ``cuda.bindings``: importing its runtime module takes ~0.1 s, which a GLM op's construction
-paid for its side stream (a cold preset op is <= 0.05 s, issue #52). The library is the one
+paid for its side stream wherever torch had not imported it already (a cold preset op is <= 0.05 s,
+issue #52). The library is the one
 torch's CUDA build links (found in ``/proc/self/maps``), so the current device torch sets is the
 one these calls use, and a stream created here is valid for ``torch.cuda.ExternalStream``.
 """
