@@ -62,7 +62,7 @@ def fresh_process_state(monkeypatch: pytest.MonkeyPatch) -> Any:
 def _clear_manifest_caches() -> None:
     from mhc_core.host.binaries import artifacts
 
-    for name in ("_payloads", "_index", "_recorded_sources", "source_hash", "_shipped_problem"):
+    for name in ("_manifests", "_index", "_recorded_sources", "source_hash", "_shipped_problem"):
         function = getattr(artifacts, name, None)
         if hasattr(function, "cache_clear"):
             function.cache_clear()

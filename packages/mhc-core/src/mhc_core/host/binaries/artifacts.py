@@ -360,9 +360,9 @@ def manifests() -> list[Path]:
     return found
 
 
-def _check_manifest(payload: Any) -> None:
-    """Raise ValueError unless ``payload`` (of this format) has what ``_entries`` and
-    ``_recorded_sources`` read, each entry's symbol naming its key."""
+def _check_manifest(path: Path, payload: Any) -> dict[str, Found]:
+    """``payload``'s entries (symbol -> ``Found``), each signature parsed once; ValueError unless it
+    (of this format) has what they and ``_recorded_sources`` read, each entry's symbol naming its key."""
     if not isinstance(payload.get("library"), str) or Path(payload["library"]).name != payload["library"]:
         raise _Invalid("its library is not a file name")
     size, sha256 = payload.get("size"), payload.get("sha256")
@@ -370,40 +370,50 @@ def _check_manifest(payload: Any) -> None:
         raise _Invalid("its library's size and sha256 are malformed")
     if not isinstance(payload.get("kernels"), list):
         raise _Invalid("it has no list of kernels")
+    library, entries = path.parent / payload["library"], {}
     for entry in payload["kernels"]:
         key = KernelKey(**{name: entry[name] for name in KernelKey.__dataclass_fields__})
         if entry["symbol"] != key.symbol:
             raise _Invalid(f"the entry {entry['symbol']!r} does not name its key")
-        from_json(entry["signature"])
+        entries[key.symbol] = Found(library, from_json(entry["signature"]), size, sha256)
     sources = payload.get("sources", {})
     if not isinstance(sources, dict):
         raise _Invalid("its sources are not a mapping")
+    projects = project_packages()
+    is_module = functools.partial(_is_module, projects=projects)
     for module, source in sources.items():
-        if not (_is_module(module) and isinstance(source["digest"], str) and all(map(_is_module, source["modules"]))):
+        if not (is_module(module) and isinstance(source["digest"], str) and all(map(is_module, source["modules"]))):
             raise _Invalid(f"its sources of {module!r} are malformed")
         for field in ("forms", "texts"):  # optional: manifests before issue #34 have neither
             digests = source.get(field, {})
-            if not (isinstance(digests, dict) and all(map(_is_module, digests))):
+            if not (isinstance(digests, dict) and all(map(is_module, digests))):
                 raise _Invalid(f"its sources' {field} of {module!r} are malformed")
             if not all(isinstance(value, str) and len(value) == 64 for value in digests.values()):
                 raise _Invalid(f"its sources' {field} of {module!r} are malformed")
+    return entries
 
 
 def _is_digest(size: Any, sha256: Any) -> bool:
     return isinstance(size, int) and size >= 0 and isinstance(sha256, str) and len(sha256) == 64
 
 
-def _is_module(name: Any) -> bool:
-    """A dotted name in a project package (what a manifest's ``sources`` may name)."""
-    return (
-        isinstance(name, str)
-        and name.split(".")[0] in project_packages()
-        and all(part.isidentifier() for part in name.split("."))
-    )
+def _is_module(name: Any, projects: tuple[str, ...]) -> bool:
+    """A dotted name in one of ``projects`` (``project_packages()``: what a manifest's ``sources`` may name)."""
+    parts = name.split(".") if isinstance(name, str) else []
+    return bool(parts) and parts[0] in projects and all(part.isidentifier() for part in parts)
 
 
-def _read_payload(path: Path) -> dict[str, Any] | None:
-    """``path``'s payload if it is a manifest of this format (another format: None, as before);
+@dataclass(frozen=True)
+class Manifest:
+    """One valid manifest: where it is, what it holds, and its entries (symbol -> ``Found``)."""
+
+    path: Path
+    payload: dict[str, Any]
+    entries: dict[str, Found]
+
+
+def _read(path: Path) -> Manifest | None:
+    """``path``'s manifest if it is one of this format (another format: None, as before);
     a corrupt, truncated or foreign one: None, with one warning naming it."""
     try:
         payload = json.loads(path.read_bytes())
@@ -411,13 +421,13 @@ def _read_payload(path: Path) -> dict[str, Any] | None:
             raise _Invalid("it is not a manifest")
         if payload["format"] != FORMAT:
             raise _Invalid(f"it has format {payload['format']!r}; this mhc-core reads format {FORMAT}")
-        _check_manifest(payload)
+        entries = _check_manifest(path, payload)
     except FileNotFoundError:
         return None
     except Exception as error:  # JSON, a missing field, a wrong type: skip this package's manifest alone
         cache_files.warn_once("the manifest", path, _reason(error))
         return None
-    return payload
+    return Manifest(path, payload, entries)
 
 
 def _reason(error: Exception) -> str:
@@ -430,33 +440,25 @@ def _reason(error: Exception) -> str:
 
 
 @functools.cache
-def _payloads() -> tuple[tuple[Path, dict[str, Any]], ...]:
-    """Every valid manifest of this format, read once per process (a broken one is skipped with a
-    warning: another package's still count)."""
-    read = ((path, _read_payload(path)) for path in manifests())
-    return tuple((path, payload) for path, payload in read if payload is not None)
+def _manifests() -> tuple[Manifest, ...]:
+    """Every valid manifest of this format, read and checked once per process (a broken one is
+    skipped with a warning: another package's still count)."""
+    read = (_read(path) for path in manifests())
+    return tuple(manifest for manifest in read if manifest is not None)
 
 
 def read_manifest(path: Path) -> dict[str, Found]:
     """symbol -> library and signature of one manifest ({} for another format or a broken one)."""
-    payload = _read_payload(path)
-    return _entries(path, payload) if payload is not None else {}
-
-
-def _entries(path: Path, payload: dict[str, Any]) -> dict[str, Found]:
-    library = path.parent / payload["library"]
-    size, sha256 = payload.get("size"), payload.get("sha256")
-    return {
-        entry["symbol"]: Found(library, from_json(entry["signature"]), size, sha256) for entry in payload["kernels"]
-    }
+    manifest = _read(path)
+    return manifest.entries if manifest is not None else {}
 
 
 @functools.cache
 def _index() -> dict[str, Found]:
     """symbol -> library and signature over every manifest."""
     index: dict[str, Found] = {}
-    for path, payload in _payloads():
-        index.update(_entries(path, payload))
+    for manifest in _manifests():
+        index.update(manifest.entries)
     return index
 
 
@@ -475,8 +477,8 @@ class RecordedSources:
 def _recorded_sources() -> dict[str, list[RecordedSources]]:
     """kernel module -> what each manifest that records it recorded (``RecordedSources``)."""
     recorded: dict[str, list[RecordedSources]] = {}
-    for _, payload in _payloads():
-        for module, source in payload.get("sources", {}).items():
+    for manifest in _manifests():
+        for module, source in manifest.payload.get("sources", {}).items():
             entry = RecordedSources(
                 source["digest"], tuple(source["modules"]), dict(source.get("forms", {})), dict(source.get("texts", {}))
             )
