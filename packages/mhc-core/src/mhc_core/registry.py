@@ -17,7 +17,8 @@ Discovery (``models()``), first found wins per key, in this order:
 2. the source checkout this ``mhc_core`` is imported from: ``packages/*/pyproject.toml`` beside
    ``packages/mhc-core`` (tests and tools run from a checkout with ``PYTHONPATH``, not installed
    distributions, so ``importlib.metadata`` alone would not see the packages);
-3. installed distributions' entry points (``importlib.metadata``), e.g. wheels or ``pip install -e``.
+3. installed distributions' entry points (as ``importlib.metadata`` finds them, read by
+   ``mhc_core.entry_points``), e.g. wheels or ``pip install -e``.
 
 A model found in a folder (1, 2) whose package is not importable gets that folder's ``src/`` appended
 to ``sys.path``. Two distributions declaring one key raise ``ValueError``; so does ``model(key)`` for
@@ -31,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -40,6 +40,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from mhc_core import entry_points
 
 #: The entry-point group a model package declares its ``Model`` in.
 GROUP = "mhc_kernels.models"
@@ -217,7 +219,7 @@ def _discover() -> dict[str, Model]:
     for folder in _folders():
         for key, target in _declared(folder / "pyproject.toml").items():
             add(key, target, str(folder), folder)
-    for entry in importlib.metadata.entry_points(group=GROUP):
+    for entry in entry_points.of_group(GROUP):
         add(entry.name, entry.value, f"installed {entry.dist.name if entry.dist else '?'}", None)
     return dict(sorted(found.items()))
 
