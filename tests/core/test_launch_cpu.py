@@ -142,7 +142,7 @@ def test_a_manifests_recorded_sources_stand_in_for_the_import_walk(exported, mon
         artifacts._recorded_sources.cache_clear()
         artifacts.source_hash.cache_clear()
 
-    monkeypatch.setattr(artifacts, "_manifests", lambda: (artifacts.Manifest(exported, payload, {}),))
+    monkeypatch.setattr(artifacts, "_manifests", lambda: (artifacts.Manifest(payload, {}),))
     clear()
     try:
         with monkeypatch.context() as patch:

@@ -405,9 +405,8 @@ def _is_module(name: Any, projects: tuple[str, ...]) -> bool:
 
 @dataclass(frozen=True)
 class Manifest:
-    """One valid manifest: where it is, what it holds, and its entries (symbol -> ``Found``)."""
+    """One valid manifest: what it holds, and its entries (symbol -> ``Found``)."""
 
-    path: Path
     payload: dict[str, Any]
     entries: dict[str, Found]
 
@@ -427,7 +426,7 @@ def _read(path: Path) -> Manifest | None:
     except Exception as error:  # JSON, a missing field, a wrong type: skip this package's manifest alone
         cache_files.warn_once("the manifest", path, _reason(error))
         return None
-    return Manifest(path, payload, entries)
+    return Manifest(payload, entries)
 
 
 def _reason(error: Exception) -> str:
