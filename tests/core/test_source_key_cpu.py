@@ -90,3 +90,19 @@ def test_unchanged_code_names_nothing(sources: Path) -> None:
     before = key_of(sources)
     edit(sources, CONSTANTS, lambda text: text + "# a comment\n")
     assert key_of(sources, recorded=before)["changed"] == []
+
+
+def test_a_keys_symbol_is_its_json_sha256_pinned() -> None:
+    """The symbol names every shipped and cached kernel: a change of how it is spelled would orphan
+    them all. It is sha256 of the key's fields as sorted JSON (what ``dataclasses.asdict`` gives),
+    non-ASCII and quotes in a config included, pinned to its value."""
+    import dataclasses
+    import hashlib
+
+    from mhc_core.host.binaries.artifacts import KernelKey
+
+    config = json.dumps({"hidden": 5120, "note": 'é " q'})
+    key = KernelKey("mhc_dsv41.kernel:Kernel", config, "sm_90a", "4.8.1", "tvm-ffi/1", "ab" * 32)
+    text = json.dumps(dataclasses.asdict(key), sort_keys=True)
+    assert key.as_dict() == dataclasses.asdict(key)
+    assert key.symbol == "mhc_" + hashlib.sha256(text.encode()).hexdigest()[:24] == "mhc_c812a311033136256ab8a13a"
